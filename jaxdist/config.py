@@ -1,0 +1,221 @@
+"""Typed, nested run configuration: dataclasses, a YAML file, and CLI overrides.
+
+Every leaf field is a CLI flag (``train.global_batch_size`` -> ``--global-batch-size``;
+the dotted form ``--train.global_batch_size`` works too). Precedence: defaults < YAML < CLI.
+Unknown keys and bad values raise ``ConfigError``; the command turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+Strategy = Literal["pmap", "shard_map", "gspmd"]
+
+
+class ConfigError(ValueError):
+    """A bad key or value in the configuration (exit code 2)."""
+
+
+@dataclass
+class ModelConfig:
+    # built-in name ("mlp", "gpt") or a user factory "package.module:function"
+    name: str = field(default="mlp", metadata={"flag": "--model"})
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
+    # mlp: synthetic classification, inputs (B, in_features) -> (B, num_classes)
+    in_features: int = 32
+    hidden: int = 128
+    depth: int = 2
+    num_classes: int = 10
+    # gpt: byte-level decoder-only transformer, tokens (B, seq_len) -> logits (B, seq_len, 256)
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+
+
+@dataclass
+class OptimConfig:
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 3e-3  # at base_batch_size; scaled by lr_scaling to the global batch
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    base_batch_size: int = 0  # 0: the global batch size (no scaling)
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    weight_decay: float = 0.01
+    momentum: float = 0.9  # sgd only
+    clip_norm: float = 1.0  # global-norm clipping; 0 disables
+
+
+@dataclass
+class TrainConfig:
+    strategy: Strategy = "gspmd"
+    steps: int = 200
+    global_batch_size: int = 64  # across all devices and processes
+    grad_accum: int = 1  # microbatches per device per optimizer step
+    seed: int = 0
+    log_every: int = 10
+    run_dir: str = ""  # "" -> runs/<model>-<strategy>-<time>
+    cpu_devices: int = 0  # >0: emulate this many CPU devices (set before jax starts)
+    num_devices: int = 0  # >0: use only the first N devices; 0: all
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _leaf_fields() -> list[tuple[str, dataclasses.Field, Any]]:
+    """(section, field, resolved type) for every leaf of the config tree."""
+    out = []
+    for section, cls in _section_classes().items():
+        hints = typing.get_type_hints(cls)
+        out.extend((section, f, hints[f.name]) for f in dataclasses.fields(cls))
+    return out
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Checks and converts one value; the error names the key and the allowed values."""
+    if typing.get_origin(typ) is Literal:
+        allowed = typing.get_args(typ)
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
+        return value
+    if isinstance(typ, types.UnionType):
+        typ = next(t for t in typing.get_args(typ) if t is not type(None))
+    try:
+        if typ is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return value.lower() in ("true", "1", "yes")
+            return bool(value)
+        if typ is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if typ is float:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: {value!r} is not a valid {typ.__name__}") from None
+
+
+def from_dict(tree: dict) -> Config:
+    """Builds a Config from a nested dict, refusing unknown sections and keys."""
+    classes = _section_classes()
+    sections = {}
+    for name, values in (tree or {}).items():
+        if name not in classes:
+            raise ConfigError(f"unknown config section {name!r}; allowed: {', '.join(classes)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section {name!r} must be a mapping, got {values!r}")
+        cls = classes[name]
+        hints = typing.get_type_hints(cls)
+        for key in values:
+            if key not in hints:
+                raise ConfigError(
+                    f"unknown config key {name}.{key}; allowed: {', '.join(sorted(hints))}"
+                )
+        sections[name] = cls(**{k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in values.items()})
+    config = Config(**sections)
+    validate(config)
+    return config
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def validate(config: Config) -> None:
+    """Value checks that types alone do not catch."""
+    positive = {
+        "train.steps": config.train.steps,
+        "train.global_batch_size": config.train.global_batch_size,
+        "train.grad_accum": config.train.grad_accum,
+        "train.log_every": config.train.log_every,
+        "model.seq_len": config.model.seq_len,
+        "model.depth": config.model.depth,
+        "model.n_layers": config.model.n_layers,
+        "model.n_heads": config.model.n_heads,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1, got {value}")
+    for key, value in {
+        "train.cpu_devices": config.train.cpu_devices,
+        "train.num_devices": config.train.num_devices,
+        "optim.base_batch_size": config.optim.base_batch_size,
+        "optim.warmup_steps": config.optim.warmup_steps,
+    }.items():
+        if value < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {value}")
+    if config.optim.lr <= 0:
+        raise ConfigError(f"optim.lr: must be > 0, got {config.optim.lr}")
+    if config.model.d_model % config.model.n_heads:
+        raise ConfigError(
+            f"model.d_model={config.model.d_model} is not divisible by "
+            f"model.n_heads={config.model.n_heads}"
+        )
+
+
+def _flag(section: str, f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxdist.train",
+        description="Data-parallel training of a Flax model on every visible device.",
+    )
+    parser.add_argument("--config", help="YAML file with sections model/optim/train")
+    for section, f, typ in _leaf_fields():
+        kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
+        if typing.get_origin(typ) is Literal:
+            kwargs["choices"] = typing.get_args(typ)
+        else:
+            kwargs["type"] = typ if typ in (int, float) else str
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kwargs["help"] = f"{section}.{f.name} (default: {default!r})"
+        parser.add_argument(_flag(section, f), f"--{section}.{f.name}", **kwargs)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """CLI -> Config. argparse errors exit 2 by themselves; ours raise ConfigError."""
+    args = vars(build_parser().parse_args(argv))
+    tree: dict[str, dict] = {}
+    if args.get("config"):
+        path = Path(args.pop("config"))
+        if not path.is_file():
+            raise ConfigError(f"--config: no such file {path}")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path}: top level must be a mapping")
+        tree = {k: dict(v) if isinstance(v, dict) else v for k, v in loaded.items()}
+    args.pop("config", None)
+    for dotted, value in args.items():
+        section, key = dotted.split(".", 1)
+        tree.setdefault(section, {})[key] = value
+    return from_dict(tree)
+
+
+def save(config: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))

@@ -1,0 +1,100 @@
+"""Model registry: built-in names and user factories ``package.module:function``.
+
+Models know nothing of devices or strategies. Each comes with a *task* that picks
+the synthetic data and the default loss: ``classify`` (x (B, F) -> logits (B, C)) or
+``lm`` (tokens (B, T) -> logits (B, T, vocab)).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdist.config import ConfigError, ModelConfig
+
+BYTE_VOCAB = 256
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    factory: Callable[[ModelConfig, nnx.Rngs], nnx.Module]
+    task: str  # "classify" or "lm"
+
+
+def _mlp(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    from jaxdist.models.mlp import MLP
+
+    return MLP(
+        cfg.in_features, cfg.hidden, cfg.depth, cfg.num_classes, dtype=compute_dtype(cfg), rngs=rngs
+    )
+
+
+def _gpt(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    from jaxdist.models.gpt import GPT
+
+    return GPT(
+        BYTE_VOCAB,
+        cfg.seq_len,
+        cfg.d_model,
+        cfg.n_layers,
+        cfg.n_heads,
+        dtype=compute_dtype(cfg),
+        rngs=rngs,
+    )
+
+
+BUILTIN = {"mlp": ModelSpec(_mlp, "classify"), "gpt": ModelSpec(_gpt, "lm")}
+
+
+def compute_dtype(cfg: ModelConfig):
+    return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+
+
+def import_object(ref: str, what: str):
+    """Imports ``package.module:name``; a clear ConfigError when it cannot."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{what} {ref!r}: expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"{what} {ref!r}: cannot import module {module_name!r}: {err}") from None
+    if not hasattr(module, attr):
+        raise ConfigError(f"{what} {ref!r}: module {module_name!r} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def resolve(cfg: ModelConfig) -> ModelSpec:
+    """Built-in name or user factory. A user factory takes ``(model_config, rngs)`` or
+    ``(rngs)`` and returns an ``nnx.Module`` for the classification task."""
+    if cfg.name in BUILTIN:
+        return BUILTIN[cfg.name]
+    if ":" not in cfg.name:
+        raise ConfigError(
+            f"model.name: {cfg.name!r} is not one of {', '.join(BUILTIN)} "
+            "and not a factory 'package.module:function'"
+        )
+    factory = import_object(cfg.name, "--model")
+    if not callable(factory):
+        raise ConfigError(f"--model {cfg.name!r} is not callable")
+    takes_config = len(inspect.signature(factory).parameters) >= 2
+
+    def build(model_cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+        return factory(model_cfg, rngs) if takes_config else factory(rngs)
+
+    return ModelSpec(build, "classify")
+
+
+def build_model(cfg: ModelConfig, seed: int) -> tuple[nnx.Module, str]:
+    spec = resolve(cfg)
+    model = spec.factory(cfg, nnx.Rngs(seed))
+    if not isinstance(model, nnx.Module):
+        raise ConfigError(
+            f"--model {cfg.name!r} returned {type(model).__name__}, expected a flax.nnx.Module"
+        )
+    return model, spec.task

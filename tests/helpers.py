@@ -1,0 +1,50 @@
+"""Shared test helpers: configs and the subprocess runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from jaxdist.config import from_dict
+
+
+def small_config(**train):
+    """A 5-step MLP run, small enough to compile in well under a second."""
+    base = {"steps": 5, "global_batch_size": 16, "log_every": 1, "seed": 3}
+    base.update(train)
+    return from_dict(
+        {
+            "model": {"name": "mlp", "in_features": 12, "hidden": 24, "depth": 2, "num_classes": 5},
+            # SGD: unlike Adam it is not scale-invariant, so a gradient N times too large shows.
+            "optim": {
+                "optimizer": "sgd",
+                "lr": 0.05,
+                "warmup_steps": 2,
+                "min_lr_ratio": 0.1,
+                "weight_decay": 0.01,
+            },
+            "train": base,
+        }
+    )
+
+
+def relative_error(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def run_cli(*args, cwd=None, timeout=300):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("JAX_NUM_CPU_DEVICES", None)  # the command's own --cpu-devices decides
+    return subprocess.run(
+        [sys.executable, "-m", "jaxdist.train", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )

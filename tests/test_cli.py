@@ -1,0 +1,170 @@
+"""``python -m jaxdist.train`` end to end, and its errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from helpers import run_cli
+
+TINY = ["--model.in_features", "12", "--hidden", "24"]
+
+
+def test_run_writes_config_and_metrics_and_learns(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [
+        "--cpu-devices",
+        "8",
+        "--strategy",
+        "shard_map",
+        "--steps",
+        "60",
+        "--global-batch-size",
+        "32",
+        "--log-every",
+        "10",
+        "--lr",
+        "0.01",
+        "--run-dir",
+        str(run_dir),
+        *TINY,
+    ]
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["train"]["strategy"] == "shard_map"
+    assert config["train"]["global_batch_size"] == 32
+    assert config["model"]["hidden"] == 24
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [10, 20, 30, 40, 50, 60]
+    for key in ("loss", "lr", "grad_norm", "step_time_s", "samples_per_s"):
+        assert all(isinstance(x[key], float) for x in lines), key
+    assert lines[-1]["loss"] < 0.7 * lines[0]["loss"]
+    assert "done: 60 steps" in proc.stdout
+
+
+def test_gpt_logs_tokens_per_second(tmp_path):
+    args = [
+        "--cpu-devices",
+        "2",
+        "--model",
+        "gpt",
+        "--steps",
+        "4",
+        "--log-every",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--d-model",
+        "32",
+        "--dtype",
+        "bfloat16",
+        "--run-dir",
+        str(tmp_path),
+    ]
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["tokens_per_s"] == pytest.approx(last["samples_per_s"] * 16)
+
+
+def test_yaml_config_with_cli_override(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train:\n  steps: 3\n  global_batch_size: 8\noptim:\n  lr: 0.01\n")
+    proc = run_cli("--config", str(cfg), "--steps", "2", "--run-dir", str(tmp_path / "r"), *TINY)
+    assert proc.returncode == 0, proc.stderr
+    saved = yaml.safe_load((tmp_path / "r/config.yaml").read_text())
+    assert saved["train"]["steps"] == 2  # CLI beats YAML
+    assert saved["train"]["global_batch_size"] == 8
+    assert saved["optim"]["lr"] == 0.01
+
+
+def test_linear_lr_scaling_is_printed(tmp_path):
+    proc = run_cli(
+        "--cpu-devices",
+        "8",
+        "--steps",
+        "1",
+        "--global-batch-size",
+        "64",
+        "--lr",
+        "0.001",
+        "--lr-scaling",
+        "linear",
+        "--base-batch-size",
+        "8",
+        "--run-dir",
+        str(tmp_path),
+        *TINY,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "effective lr 0.008 (linear scaling)" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--cpu-devices", "8", "--global-batch-size", "12"], ["12", "8 devices"]),
+        (["--strategy", "ddp"], ["--strategy", "ddp", "pmap", "shard_map", "gspmd"]),
+        (["--no-such-flag", "1"], ["unrecognized arguments", "--no-such-flag"]),
+        (["--cpu-devices", "2", "--num-devices", "4"], ["4 devices requested", "only 2"]),
+        (["--model", "no_such_pkg.models:build"], ["no_such_pkg", "cannot import"]),
+        (["--model", "json:nothing_here"], ["has no attribute", "nothing_here"]),
+        (["--model", "builtins:repr"], ["returned str", "flax.nnx.Module"]),
+        (["--optimizer", "lamb"], ["lamb", "adamw", "sgd"]),
+        (["--steps", "0"], ["train.steps", ">= 1"]),
+        (["--steps", "ten"], ["--steps", "invalid int value"]),
+    ],
+)
+def test_bad_input_is_a_clear_error(tmp_path, args, expected):
+    run_dir = tmp_path / "run"
+    proc = run_cli(*args, "--run-dir", str(run_dir))
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    for text in expected:
+        assert text in proc.stderr, (text, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    assert not run_dir.exists()  # nothing half-written
+
+
+def test_unknown_yaml_key_names_the_allowed_keys(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("train:\n  stepz: 3\n")
+    proc = run_cli("--config", str(cfg))
+    assert proc.returncode == 2
+    assert "unknown config key train.stepz" in proc.stderr
+    assert "steps" in proc.stderr and "global_batch_size" in proc.stderr
+
+
+def test_user_model_factory_from_outside_the_package(tmp_path):
+    (tmp_path / "my_models.py").write_text(
+        "from flax import nnx\n"
+        "class Linear(nnx.Module):\n"
+        "    def __init__(self, cfg, rngs):\n"
+        "        self.dense = nnx.Linear(cfg.in_features, cfg.num_classes, rngs=rngs)\n"
+        "    def __call__(self, x):\n"
+        "        return self.dense(x)\n"
+        "def build(cfg, rngs):\n"
+        "    return Linear(cfg, rngs)\n"
+    )
+    proc = run_cli(
+        "--model",
+        "my_models:build",
+        "--cpu-devices",
+        "4",
+        "--steps",
+        "30",
+        "--lr",
+        "0.05",
+        "--log-every",
+        "10",
+        "--run-dir",
+        "out",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(x) for x in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["loss"] < lines[0]["loss"]
