@@ -1,3 +1,43 @@
-"""jaxdist: data-parallel training of Flax models with pmap, shard_map or GSPMD."""
+"""jaxdist: data-parallel training of Flax models with pmap, shard_map or GSPMD.
+
+The public API (PyTorch names in brackets)::
+
+    info = jaxdist.initialize()                       # [init_process_group]
+    mesh = jaxdist.make_mesh(data=-1)                 # all devices on axis "data"
+    dp = jaxdist.DataParallel(model, tx, loss_fn, mesh=mesh, strategy="gspmd")  # [DDP(model)]
+    sampler = jaxdist.DistributedSampler(n, global_batch_size=256)  # [DistributedSampler]
+    batch = jaxdist.shard_batch(host_numpy_batch, mesh)
+    state, metrics = dp.step(state, batch)
+    jaxdist.mean_over_replicas(tree)                  # [all_reduce / world_size], in a step
+    jaxdist.barrier("name"); jaxdist.is_main_process(); jaxdist.print_main(...)
+"""
+
+from jaxdist.adapt import as_nnx
+from jaxdist.errors import JaxdistError, ModelError
+from jaxdist.parallel import DataParallel
+from jaxdist.process import ProcessInfo, barrier, initialize, is_main_process, print_main
+from jaxdist.replicas import mean_over_replicas, replica_index, step_key
+from jaxdist.sampler import DistributedSampler
+from jaxdist.sharding import make_mesh, shard_batch
+from jaxdist.step import TrainState
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "DataParallel",
+    "DistributedSampler",
+    "JaxdistError",
+    "ModelError",
+    "ProcessInfo",
+    "TrainState",
+    "as_nnx",
+    "barrier",
+    "initialize",
+    "is_main_process",
+    "make_mesh",
+    "mean_over_replicas",
+    "print_main",
+    "replica_index",
+    "shard_batch",
+    "step_key",
+]

@@ -17,10 +17,12 @@ from typing import Any, Literal
 
 import yaml
 
+from jaxdist.errors import JaxdistError
+
 Strategy = Literal["pmap", "shard_map", "gspmd"]
 
 
-class ConfigError(ValueError):
+class ConfigError(JaxdistError):
     """A bad key or value in the configuration (exit code 2)."""
 
 
@@ -28,6 +30,10 @@ class ConfigError(ValueError):
 class ModelConfig:
     # built-in name ("mlp", "gpt") or a user factory "package.module:function"
     name: str = field(default="mlp", metadata={"flag": "--model"})
+    # what the model does, so which data and default loss: auto = gpt -> lm, else classify
+    task: Literal["auto", "classify", "lm"] = "auto"
+    # "" -> the task's default; or a user loss "package.module:function"
+    loss: str = ""
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
     # mlp: synthetic classification, inputs (B, in_features) -> (B, num_classes)
     in_features: int = 32
@@ -39,6 +45,11 @@ class ModelConfig:
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
+
+
+@dataclass
+class DataConfig:
+    num_examples: int = 16384  # synthetic classification set; LM windows come from the corpus
 
 
 @dataclass
@@ -70,6 +81,7 @@ class TrainConfig:
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -155,6 +167,7 @@ def validate(config: Config) -> None:
         "model.depth": config.model.depth,
         "model.n_layers": config.model.n_layers,
         "model.n_heads": config.model.n_heads,
+        "data.num_examples": config.data.num_examples,
     }
     for key, value in positive.items():
         if value < 1:

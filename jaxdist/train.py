@@ -9,38 +9,18 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import jax
 
+import jaxdist
 from jaxdist import config as config_lib
-from jaxdist import strategies
 from jaxdist.config import Config, ConfigError
-from jaxdist.data import host_batches, make_source
+from jaxdist.data import host_batches, make_source, model_input
 from jaxdist.losses import DEFAULT_LOSS
-from jaxdist.models import build_model
+from jaxdist.models import build_model, import_object
 from jaxdist.optim import effective_lr, make_optimizer, make_schedule
 from jaxdist.report import Reporter
-from jaxdist.sharding import DeviceCountError, make_mesh
-from jaxdist.step import init_state, make_train_step
-
-
-def use_cpu_devices(count: int) -> None:
-    """Emulates ``count`` CPU devices. Only possible before JAX initialises its backend."""
-    if not count:
-        return
-    try:
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:
-        devices = jax.devices()
-        if devices[0].platform != "cpu" or len(devices) != count:
-            raise ConfigError(
-                f"--cpu-devices {count}: JAX's backend is already initialised with "
-                f"{len(devices)} {devices[0].platform} devices; set it before any JAX operation "
-                f"(or JAX_NUM_CPU_DEVICES={count} in the environment)"
-            ) from None
 
 
 def check_batch(global_batch_size: int, num_devices: int, grad_accum: int) -> int:
@@ -64,45 +44,44 @@ class Run:
     """Everything the loop needs, built once by ``setup``."""
 
     config: Config
+    info: jaxdist.ProcessInfo
     mesh: jax.sharding.Mesh
     task: str
-    graphdef: object
-    state: object  # device state, in the strategy's layout
-    wired: strategies.Wired
+    dp: jaxdist.DataParallel
+    state: jaxdist.TrainState  # on the devices, in the strategy's layout
     batches: object  # iterator of host-local numpy batches
     peak_lr: float
     history: list[dict] = field(default_factory=list)
 
 
 def setup(config: Config) -> Run:
+    """Built on jaxdist's public API only, as a user's own loop would be."""
     cfg = config.train
-    # --- devices and mesh
-    use_cpu_devices(cfg.cpu_devices)
-    mesh = make_mesh(cfg.num_devices)
+    # --- process group, devices and mesh
+    info = jaxdist.initialize(cpu_devices=cfg.cpu_devices)
+    mesh = jaxdist.make_mesh(data=cfg.num_devices or -1)
     check_batch(cfg.global_batch_size, mesh.size, cfg.grad_accum)
-    # --- model, loss, optimizer
-    model, task = build_model(config.model, cfg.seed)
-    schedule = make_schedule(config.optim, cfg.global_batch_size, cfg.steps)
-    tx = make_optimizer(config.optim, schedule)
-    graphdef, host_state = init_state(model, tx)
-    # --- the one step, wired to devices by the strategy
-    make_step = partial(make_train_step, graphdef, DEFAULT_LOSS[task], tx, schedule, cfg.grad_accum)
-    wired = strategies.wire(cfg.strategy, make_step, mesh)
     # --- data: this process's rows of each global batch
-    source = make_source(task, config.model, cfg.seed)
-    batches = host_batches(
-        source, cfg.global_batch_size, 0, jax.process_index(), jax.process_count()
+    model, task = build_model(config.model, cfg.seed)
+    source = make_source(task, config, cfg.seed)
+    sampler = jaxdist.DistributedSampler(len(source), cfg.global_batch_size, seed=cfg.seed)
+    batches = host_batches(source, sampler)
+    # --- loss, optimizer, and the data-parallel step
+    loss_fn = import_object(config.model.loss, "--loss") if config.model.loss else None
+    schedule = make_schedule(config.optim, cfg.global_batch_size, cfg.steps)
+    dp = jaxdist.DataParallel(
+        model,
+        make_optimizer(config.optim, schedule),
+        loss_fn or DEFAULT_LOSS[task],
+        mesh=mesh,
+        strategy=cfg.strategy,
+        grad_accum=cfg.grad_accum,
+        seed=cfg.seed,
+        schedule=schedule,
+        example_input=model_input(task, source[[0]]),
     )
-    return Run(
-        config,
-        mesh,
-        task,
-        graphdef,
-        wired.put_state(host_state),
-        wired,
-        batches,
-        effective_lr(config.optim, cfg.global_batch_size),
-    )
+    peak_lr = effective_lr(config.optim, cfg.global_batch_size)
+    return Run(config, info, mesh, task, dp, dp.init_state(), batches, peak_lr)
 
 
 def default_run_dir(config: Config) -> Path:
@@ -125,36 +104,33 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
     ``write=False`` keeps files out (tests); ``quiet=True`` prints nothing (benchmarks)."""
     cfg = config.train
     run = setup(config)
-    is_main = jax.process_index() == 0
+    is_main = jaxdist.is_main_process()
     run_dir = prepare_run_dir(config, is_main) if write else None
     report = Reporter(run_dir, cfg.steps, is_main and not quiet)
     per_device = cfg.global_batch_size // run.mesh.size
     report.print(
-        f"jaxdist: {cfg.strategy} on {run.mesh.size} {run.mesh.devices.flat[0].platform} "
+        f"jaxdist: {cfg.strategy} on {run.mesh.size} {run.info.platform} "
         f"device(s); global batch {cfg.global_batch_size} = {run.mesh.size} x {per_device} "
         f"(grad-accum {cfg.grad_accum}); effective lr {run.peak_lr:.3g} "
         f"({config.optim.lr_scaling} scaling)" + (f"; run dir {run_dir}" if run_dir else "")
     )
 
-    # --- compile ahead, so step times exclude compilation
-    batch = run.wired.put_batch(next(run.batches))
-    t0 = time.perf_counter()
-    step_fn = run.wired.step.lower(run.state, batch).compile()
-    compile_s = time.perf_counter() - t0
-
-    # --- loop
+    # --- loop; the first step also compiles, so it is timed apart
     seq_len = config.model.seq_len if run.task == "lm" else 0
-    state, t_last, steps_since = run.state, time.perf_counter(), 0
-    t_start = t_last
+    state, steps_since, compile_s = run.state, 0, 0.0
+    t_start = t_last = time.perf_counter()
     for step in range(1, cfg.steps + 1):
-        state, metrics = step_fn(state, batch)
+        batch = jaxdist.shard_batch(next(run.batches), run.mesh)
+        state, metrics = run.dp.step(state, batch)
         steps_since += 1
-        if step < cfg.steps:
-            batch = run.wired.put_batch(next(run.batches))
+        if step == 1:
+            jax.block_until_ready(metrics)
+            t_last = time.perf_counter()
+            compile_s, steps_since = t_last - t_start, 0
         if step % cfg.log_every == 0 or step == cfg.steps:
-            values = run.wired.get_metrics(metrics)  # blocks until the step is done
+            values = run.dp.metrics(metrics)  # waits for the step to finish
             now = time.perf_counter()
-            step_time = (now - t_last) / steps_since
+            step_time = compile_s if step == 1 else (now - t_last) / steps_since
             values.update(
                 step=step, step_time_s=step_time, samples_per_s=cfg.global_batch_size / step_time
             )
@@ -165,10 +141,10 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
             t_last, steps_since = now, 0
     run.state = state
     report.close()
-    last = run.history[-1]
+    first, last = run.history[0]["loss"], run.history[-1]["loss"]
     report.print(
         f"done: {cfg.steps} steps in {time.perf_counter() - t_start:.1f}s "
-        f"(+{compile_s:.1f}s compile); loss {run.history[0]['loss']:.4f} -> {last['loss']:.4f}"
+        f"(first step, with compilation: {compile_s:.1f}s); loss {first:.4f} -> {last:.4f}"
     )
     return run
 
@@ -177,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_lib.parse_args(argv)
         train(config)
-    except (ConfigError, DeviceCountError) as err:
+    except jaxdist.JaxdistError as err:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 2
     return 0

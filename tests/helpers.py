@@ -48,3 +48,15 @@ def run_cli(*args, cwd=None, timeout=300):
         timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
+
+
+def load_experiment(name: str):
+    """Imports ``experiments/<name>.py`` (a script folder, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

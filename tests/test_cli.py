@@ -114,7 +114,7 @@ def test_linear_lr_scaling_is_printed(tmp_path):
         (["--cpu-devices", "2", "--num-devices", "4"], ["4 devices requested", "only 2"]),
         (["--model", "no_such_pkg.models:build"], ["no_such_pkg", "cannot import"]),
         (["--model", "json:nothing_here"], ["has no attribute", "nothing_here"]),
-        (["--model", "builtins:repr"], ["returned str", "flax.nnx.Module"]),
+        (["--model", "builtins:repr"], ["expected a flax.nnx.Module", "got str"]),
         (["--optimizer", "lamb"], ["lamb", "adamw", "sgd"]),
         (["--steps", "0"], ["train.steps", ">= 1"]),
         (["--steps", "ten"], ["--steps", "invalid int value"]),
@@ -168,3 +168,114 @@ def test_user_model_factory_from_outside_the_package(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(x) for x in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["loss"] < lines[0]["loss"]
+
+
+USER_MODELS = """
+import jax
+import optax
+from flax import linen, nnx
+
+
+class NNXNet(nnx.Module):
+    def __init__(self, cfg, rngs):
+        self.dense = nnx.Linear(cfg.in_features, 16, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, rngs=rngs)
+        self.dropout = nnx.Dropout(0.1, rngs=rngs)
+        self.head = nnx.Linear(16, cfg.num_classes, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.dropout(nnx.relu(self.bn(self.dense(x)))))
+
+
+class LinenNet(linen.Module):
+    num_classes: int
+
+    @linen.compact
+    def __call__(self, x, train: bool = True):
+        x = linen.relu(linen.BatchNorm(use_running_average=not train)(linen.Dense(16)(x)))
+        return linen.Dense(self.num_classes)(linen.Dropout(0.1, deterministic=not train)(x))
+
+
+def nnx_net(cfg, rngs):
+    return NNXNet(cfg, rngs)
+
+
+def linen_net(cfg, rngs):
+    return LinenNet(cfg.num_classes)
+
+
+def smooth_loss(model, batch, rngs):
+    logits = model(batch["x"])
+    labels = optax.smooth_labels(jax.nn.one_hot(batch["y"], logits.shape[-1]), 0.1)
+    return optax.softmax_cross_entropy(logits, labels).mean(), {"custom": logits.mean()}
+
+
+def per_example_loss(model, batch, rngs):
+    return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+
+
+class Counter(nnx.Variable):
+    pass
+
+
+class Odd(nnx.Module):
+    def __init__(self, cfg, rngs):
+        self.dense = nnx.Linear(cfg.in_features, cfg.num_classes, rngs=rngs)
+        self.calls = Counter(0)
+
+    def __call__(self, x):
+        return self.dense(x)
+
+
+def odd(cfg, rngs):
+    return Odd(cfg, rngs)
+"""
+
+
+@pytest.mark.parametrize("factory", ["nnx_net", "linen_net"])
+@pytest.mark.parametrize("strategy", ["gspmd", "pmap"])
+def test_user_factory_and_custom_loss(tmp_path, factory, strategy):
+    (tmp_path / "user_models.py").write_text(USER_MODELS)
+    proc = run_cli(
+        "--model",
+        f"user_models:{factory}",
+        "--loss",
+        "user_models:smooth_loss",
+        "--strategy",
+        strategy,
+        "--cpu-devices",
+        "4",
+        "--steps",
+        "30",
+        "--lr",
+        "0.02",
+        "--log-every",
+        "10",
+        "--run-dir",
+        "out",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(x) for x in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    assert "custom" in lines[0]  # the custom loss's aux metric is logged
+    assert lines[-1]["loss"] < lines[0]["loss"]
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (
+            ["--model", "user_models:nnx_net", "--loss", "user_models:per_example_loss"],
+            ["must return a scalar loss", "shape (64,)"],
+        ),
+        (["--model", "user_models:odd"], ["cannot find the batch statistics", "calls (Counter)"]),
+        (["--loss", "user_models:nope"], ["--loss", "has no attribute 'nope'"]),
+    ],
+)
+def test_bad_user_code_is_a_clear_error(tmp_path, args, expected):
+    (tmp_path / "user_models.py").write_text(USER_MODELS)
+    proc = run_cli(*args, "--steps", "2", "--run-dir", "out", cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    for text in expected:
+        assert text in proc.stderr, (text, proc.stderr)
+    assert "Traceback" not in proc.stderr

@@ -15,6 +15,7 @@ from flax import nnx
 from helpers import relative_error, small_config
 from jaxdist.data import TeacherClassification
 from jaxdist.models import build_model
+from jaxdist.sampler import DistributedSampler
 from jaxdist.train import train
 
 
@@ -38,10 +39,11 @@ def reference_params(config):
         logits = nnx.merge(graphdef, p, rest)(x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    data = TeacherClassification(m.in_features, m.num_classes, t.seed)
+    data = TeacherClassification(config.data.num_examples, m.in_features, m.num_classes, t.seed)
+    order = DistributedSampler(len(data), t.global_batch_size, seed=t.seed)
     device = jax.devices()[0]
     for step in range(t.steps):
-        batch = data.global_batch(step, t.global_batch_size)
+        batch = data[order.global_indices(step)]
         x, y = jax.device_put((batch["x"], batch["y"]), device)
         grads = jax.grad(loss)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -50,7 +52,7 @@ def reference_params(config):
 
 
 def assert_params_match(run, reference):
-    got = jax.tree.leaves(run.wired.get_state(run.state).params)
+    got = jax.tree.leaves(run.dp.unreplicate(run.state).params)
     want = jax.tree.leaves(reference)
     assert len(got) == len(want) > 0
     for g, w in zip(got, want, strict=True):
@@ -81,7 +83,7 @@ def test_reference_is_sensitive():
     run = train(config, write=False)
     other = small_config(strategy="gspmd", num_devices=8)
     other.optim.lr = 0.06
-    got = jax.tree.leaves(run.wired.get_state(run.state).params)
+    got = jax.tree.leaves(run.dp.unreplicate(run.state).params)
     want = jax.tree.leaves(reference_params(other))
     assert max(relative_error(g, w) for g, w in zip(got, want, strict=True)) > 1e-3
 

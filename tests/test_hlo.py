@@ -11,6 +11,7 @@ import re
 import jax
 import pytest
 
+import jaxdist
 from helpers import small_config
 from jaxdist.train import setup
 
@@ -19,10 +20,10 @@ SHAPE = re.compile(r"f32\[([\d,]*)\]")
 
 def lowered_step(strategy: str, num_devices: int):
     run = setup(small_config(strategy=strategy, num_devices=num_devices))
-    batch = run.wired.put_batch(next(run.batches))
-    params = run.wired.get_state(run.state).params
+    batch = jaxdist.shard_batch(next(run.batches), run.mesh)
+    params = run.dp.unreplicate(run.state).params
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-    return run.wired.step.lower(run.state, batch), n_params
+    return run.dp.lower(run.state, batch), n_params
 
 
 def all_reduced_elements(text: str, marker: str) -> int:

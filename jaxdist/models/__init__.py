@@ -71,7 +71,8 @@ def import_object(ref: str, what: str):
 
 def resolve(cfg: ModelConfig) -> ModelSpec:
     """Built-in name or user factory. A user factory takes ``(model_config, rngs)`` or
-    ``(rngs)`` and returns an ``nnx.Module`` for the classification task."""
+    ``(rngs)`` and returns an ``nnx.Module`` or a ``linen.Module``; its task is
+    ``model.task`` (``auto``: classification)."""
     if cfg.name in BUILTIN:
         return BUILTIN[cfg.name]
     if ":" not in cfg.name:
@@ -90,11 +91,8 @@ def resolve(cfg: ModelConfig) -> ModelSpec:
     return ModelSpec(build, "classify")
 
 
-def build_model(cfg: ModelConfig, seed: int) -> tuple[nnx.Module, str]:
+def build_model(cfg: ModelConfig, seed: int):
+    """(module, task): the module may be NNX or Linen (``jaxdist.as_nnx`` adapts it)."""
     spec = resolve(cfg)
-    model = spec.factory(cfg, nnx.Rngs(seed))
-    if not isinstance(model, nnx.Module):
-        raise ConfigError(
-            f"--model {cfg.name!r} returned {type(model).__name__}, expected a flax.nnx.Module"
-        )
-    return model, spec.task
+    task = spec.task if cfg.task == "auto" else cfg.task
+    return spec.factory(cfg, nnx.Rngs(seed)), task

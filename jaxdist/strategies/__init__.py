@@ -1,7 +1,8 @@
 """Each strategy wires the one pure ``train_step`` to devices, and does nothing else.
 
-``wire(make_step, mesh) -> Wired``: ``make_step(mean_over_replicas)`` builds the step with
-the strategy's way of averaging across replicas.
+``wire(name, train_step, mesh) -> Wired``. Every strategy's step takes the same global
+batch (``shard_batch`` output, rows split over ``data``); what differs is the state's
+layout and whether the step runs per device (pmap, shard_map) or globally (gspmd).
 """
 
 from __future__ import annotations
@@ -16,17 +17,17 @@ from jaxdist.config import ConfigError
 
 @dataclass(frozen=True)
 class Wired:
-    step: Callable  # jitted/pmapped (state, device_batch) -> (state, metrics)
-    put_state: Callable  # host state -> device state in this strategy's layout
-    put_batch: Callable  # host-local numpy batch -> device batch
-    get_state: Callable  # device state -> one copy (for comparison, checkpoints)
-    get_metrics: Callable  # device metrics -> dict of floats
+    step: Callable  # (state, global_batch) -> (state, metrics), compiled on first call
+    lower: Callable  # (state, global_batch) -> jax.stages.Lowered, for HLO inspection
+    put_state: Callable  # one host copy of the state -> device state in this layout
+    get_state: Callable  # device state -> one copy
+    get_metrics: Callable  # device metrics -> {name: float}
 
 
 NAMES = ("pmap", "shard_map", "gspmd")
 
 
-def wire(name: str, make_step: Callable, mesh: Mesh) -> Wired:
+def wire(name: str, train_step: Callable, mesh: Mesh) -> Wired:
     if name == "pmap":
         from jaxdist.strategies import pmap as module
     elif name == "shard_map":
@@ -34,8 +35,8 @@ def wire(name: str, make_step: Callable, mesh: Mesh) -> Wired:
     elif name == "gspmd":
         from jaxdist.strategies import gspmd as module
     else:
-        raise ConfigError(f"train.strategy: {name!r} is not one of {', '.join(NAMES)}")
-    return module.wire(make_step, mesh)
+        raise ConfigError(f"strategy: {name!r} is not one of {', '.join(NAMES)}")
+    return module.wire(train_step, mesh)
 
 
 def scalars(metrics) -> dict[str, float]:

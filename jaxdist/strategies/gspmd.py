@@ -1,7 +1,8 @@
 """GSPMD: ``jax.jit`` with NamedShardings; batch split on ``data``, state replicated.
 
 No hand-written collective: the loss is the mean over the global batch, so XLA's
-partitioner inserts the all-reduce of the gradient itself."""
+partitioner inserts the all-reduce of the gradient itself. BatchNorm statistics are
+those of the global batch, as on one device."""
 
 from __future__ import annotations
 
@@ -11,22 +12,22 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.sharding import DATA, replicate, shard_batch
+from jaxdist.sharding import BATCH_SPEC, replicate
 from jaxdist.strategies import Wired, scalars
 
 
-def wire(make_step, mesh) -> Wired:
+def wire(train_step, mesh) -> Wired:
     replicated = NamedSharding(mesh, P())
     step = jax.jit(
-        make_step(mean_over_replicas=lambda tree: tree),
-        in_shardings=(replicated, NamedSharding(mesh, P(DATA))),
+        train_step,
+        in_shardings=(replicated, NamedSharding(mesh, BATCH_SPEC)),
         out_shardings=(replicated, replicated),
         donate_argnums=0,
     )
     return Wired(
         step=step,
+        lower=step.lower,
         put_state=partial(replicate, mesh=mesh),
-        put_batch=partial(shard_batch, mesh=mesh),
         get_state=lambda state: state,
         get_metrics=scalars,
     )

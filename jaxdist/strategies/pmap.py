@@ -1,42 +1,36 @@
 """pmap: state copied with a leading device axis (N, ...); ``jax.pmap`` over ``data``;
-gradients and metrics averaged with ``lax.pmean``."""
+gradients, metrics and batch statistics averaged with ``lax.pmean``."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from jaxdist.sharding import DATA, shard_batch
+from jaxdist.sharding import BATCH_SPEC, DATA
 from jaxdist.strategies import Wired, scalars
 
 
-def wire(make_step, mesh) -> Wired:
-    n_local = mesh.local_mesh.size  # this process's devices: pmap's leading axis
-    step = jax.pmap(
-        make_step(mean_over_replicas=lambda tree: lax.pmean(tree, DATA)),
-        axis_name=DATA,
-        devices=list(mesh.devices.flat),
-        donate_argnums=0,
+def wire(train_step, mesh) -> Wired:
+    n = mesh.size
+    stacked = NamedSharding(mesh, BATCH_SPEC)  # leading axis split over devices
+    pstep = jax.pmap(train_step, axis_name=DATA, devices=list(mesh.devices.flat), donate_argnums=0)
+
+    # (G, ...) -> (N, G/N, ...): each device's block of rows becomes its row; no data moves.
+    by_device = jax.jit(
+        lambda batch: jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch),
+        out_shardings=stacked,
     )
-    stacked = NamedSharding(mesh, P(DATA))
 
     def put_state(state):
         # (...) -> (N, ...): one copy per device, as pmap expects.
-        copies = jax.tree.map(lambda x: jnp.broadcast_to(x, (mesh.size, *jnp.shape(x))), state)
+        copies = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *jnp.shape(x))), state)
         return jax.device_put(copies, stacked)
 
-    def put_batch(host_batch):
-        # (rows, ...) -> (n_local, rows / n_local, ...): the device axis leads.
-        split = jax.tree.map(lambda x: x.reshape(n_local, -1, *x.shape[1:]), host_batch)
-        return shard_batch(split, mesh)
-
     return Wired(
-        step=step,
+        step=lambda state, batch: pstep(state, by_device(batch)),
+        lower=lambda state, batch: pstep.lower(state, by_device(batch)),
         put_state=put_state,
-        put_batch=put_batch,
         get_state=lambda state: jax.tree.map(lambda x: x[0], state),
         get_metrics=lambda metrics: scalars(jax.tree.map(lambda x: x[0], metrics)),
     )

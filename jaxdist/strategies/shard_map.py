@@ -2,7 +2,7 @@
 
 The step runs per device on its rows and averages with ``lax.pmean`` over ``data``.
 ``check_vma=False`` keeps per-device autodiff (as pmap): with the default
-``check_vma=False``, the gradient of replicated params comes back already summed over
+``check_vma=True``, the gradient of replicated params comes back already summed over
 devices, and pmean-ing it again would give N times the 1-device gradient."""
 
 from __future__ import annotations
@@ -10,22 +10,21 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.sharding import DATA, replicate, shard_batch
+from jaxdist.sharding import BATCH_SPEC, replicate
 from jaxdist.strategies import Wired, scalars
 
 
-def wire(make_step, mesh) -> Wired:
-    per_device = make_step(mean_over_replicas=lambda tree: lax.pmean(tree, DATA))
+def wire(train_step, mesh) -> Wired:
     mapped = jax.shard_map(
-        per_device, mesh=mesh, in_specs=(P(), P(DATA)), out_specs=(P(), P()), check_vma=False
+        train_step, mesh=mesh, in_specs=(P(), BATCH_SPEC), out_specs=(P(), P()), check_vma=False
     )
+    step = jax.jit(mapped, donate_argnums=0)
     return Wired(
-        step=jax.jit(mapped, donate_argnums=0),
+        step=step,
+        lower=step.lower,
         put_state=partial(replicate, mesh=mesh),
-        put_batch=partial(shard_batch, mesh=mesh),
         get_state=lambda state: state,
         get_metrics=scalars,
     )

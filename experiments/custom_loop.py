@@ -1,0 +1,70 @@
+"""Your own training loop with jaxdist's public API: a CNN with BatchNorm and Dropout.
+
+Command:   python experiments/custom_loop.py [--strategy gspmd|shard_map|pmap]
+Hardware:  any; 8 CPU devices are emulated when run on a CPU.
+Expected:  loss falls from about 1.4 to below 0.05 in 150 steps; held-out accuracy 1.000
+           (the same with every strategy; about 6 s on a 2-core CPU).
+"""
+
+import argparse
+
+import numpy as np
+import optax
+from flax import nnx
+
+import jaxdist
+
+
+class CNN(nnx.Module):  # (B, 16, 16, 1) images -> (B, 4) logits
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv = nnx.Conv(1, 8, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.dropout = nnx.Dropout(0.2, rngs=rngs)
+        self.head = nnx.Linear(2 * 2 * 8, 4, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.dropout(nnx.relu(self.bn(self.conv(x))))  # (B, 16, 16, 8)
+        x = x.reshape(-1, 2, 8, 2, 8, 8).mean(axis=(2, 4))  # quadrant means: (B, 2, 2, 8)
+        return self.head(x.reshape(x.shape[0], -1))
+
+
+def synthetic_images(step: int, rows: int):  # label k: a bright k-th quadrant
+    rng = np.random.default_rng(step)
+    y = rng.integers(0, 4, rows)
+    x = rng.normal(size=(rows, 16, 16, 1)).astype(np.float32)
+    for i, k in enumerate(y):
+        x[i, (k // 2) * 8 : (k // 2) * 8 + 8, (k % 2) * 8 : (k % 2) * 8 + 8] += 1.5
+    return {"x": x, "y": y.astype(np.int32)}
+
+
+def loss_fn(model, batch, rngs):
+    logits = model(batch["x"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, {"accuracy": (logits.argmax(-1) == batch["y"]).mean()}
+
+
+def main(strategy: str, steps: int = 150, global_batch_size: int = 64) -> float:
+    info = jaxdist.initialize(cpu_devices=8)
+    jaxdist.print_main(info)
+    mesh = jaxdist.make_mesh()
+    dp = jaxdist.DataParallel(
+        CNN(nnx.Rngs(0)), optax.adam(3e-3), loss_fn, mesh=mesh, strategy=strategy
+    )
+    state = dp.init_state()
+    rows = global_batch_size // info.process_count  # this process's share of each batch
+    for step in range(steps):
+        batch = jaxdist.shard_batch(synthetic_images(step, rows), mesh)
+        state, metrics = dp.step(state, batch)
+        if step % 25 == 0 or step == steps - 1:
+            jaxdist.print_main(f"step {step:4d}  loss {dp.metrics(metrics)['loss']:.3f}")
+    model = dp.merge(state)  # eval mode: running BatchNorm statistics, no dropout
+    held_out = synthetic_images(10_000, 512)
+    accuracy = float((model(held_out["x"]).argmax(-1) == held_out["y"]).mean())
+    jaxdist.print_main(f"held-out accuracy {accuracy:.3f}")
+    return accuracy
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--strategy", default="gspmd", choices=["gspmd", "shard_map", "pmap"])
+    main(parser.parse_args().strategy)

@@ -1,0 +1,92 @@
+"""``DataParallel``: PyTorch's ``DDP(model)`` for a Flax model, an optax optimizer and a
+loss function. It builds the one pure step and wires it to devices by strategy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxdist import strategies
+from jaxdist.adapt import as_nnx
+from jaxdist.sharding import make_mesh
+from jaxdist.step import TrainState, init_state, make_train_step
+
+
+class DataParallel:
+    """Data-parallel training of one model over the ``data`` axis of a mesh.
+
+    Args:
+      model: an ``nnx.Module``, or a ``linen.Module`` with ``example_input`` (bridged).
+      optimizer: an optax ``GradientTransformation``.
+      loss_fn: ``loss_fn(model, batch, rngs) -> loss`` or ``(loss, aux_dict)``; the mean
+        over the rows it is given. ``rngs`` (optional argument) is an ``nnx.Rngs`` for the
+        step; the model's own RNG streams (e.g. ``nnx.Dropout(rngs=...)``) are reseeded
+        with the same key every step.
+      mesh: from ``make_mesh()``; default all devices.
+      strategy: ``"gspmd"`` (default), ``"shard_map"`` or ``"pmap"``.
+      grad_accum: microbatches per device per step.
+      seed: base of the per-step keys (``fold_in(key(seed), step)``).
+      schedule: the optimizer's LR schedule, only to report ``lr`` in the metrics.
+
+    Example::
+
+        dp = jaxdist.DataParallel(model, optax.adamw(1e-3), loss_fn, mesh=mesh)
+        state = dp.init_state()
+        for host_batch in loader:                      # this process's rows, numpy
+            state, metrics = dp.step(state, jaxdist.shard_batch(host_batch, mesh))
+        trained = dp.merge(state)                      # an nnx.Module in eval mode
+    """
+
+    def __init__(
+        self,
+        model,
+        optimizer: optax.GradientTransformation,
+        loss_fn: Callable,
+        *,
+        mesh: Mesh | None = None,
+        strategy: str = "gspmd",
+        grad_accum: int = 1,
+        seed: int = 0,
+        schedule: optax.Schedule | None = None,
+        example_input=None,
+    ):
+        model = as_nnx(model, example_input, seed=seed)
+        model.train()  # dropout on, BatchNorm uses batch statistics
+        self.mesh = make_mesh() if mesh is None else mesh
+        self.strategy = strategy
+        self.graphdef, self._host_state = init_state(model, optimizer)
+        train_step = make_train_step(
+            self.graphdef, loss_fn, optimizer, grad_accum=grad_accum, seed=seed, schedule=schedule
+        )
+        self._wired = strategies.wire(strategy, train_step, self.mesh)
+
+    def init_state(self) -> TrainState:
+        """The initial state on the devices, in this strategy's layout."""
+        return self._wired.put_state(self._host_state)
+
+    def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        """One optimizer step on a global batch from ``shard_batch``. Donates ``state``."""
+        return self._wired.step(state, batch)
+
+    def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
+        """The lowered step, e.g. ``dp.lower(state, batch).compile().as_text()``."""
+        return self._wired.lower(state, batch)
+
+    def unreplicate(self, state: TrainState) -> TrainState:
+        """One copy of the state (pmap keeps one per device)."""
+        return self._wired.get_state(state)
+
+    def metrics(self, metrics) -> dict[str, float]:
+        """Device metrics -> Python floats (waits for the step to finish)."""
+        return self._wired.get_metrics(metrics)
+
+    def merge(self, state: TrainState) -> nnx.Module:
+        """The trained model as an ``nnx.Module`` in eval mode."""
+        one = self.unreplicate(state)
+        model = nnx.merge(self.graphdef, one.params, one.batch_stats, one.rng_state)
+        model.eval()
+        return model

@@ -1,0 +1,239 @@
+"""The public API with BatchNorm and dropout, against single-device loops written here.
+
+The reference loops use plain jax.grad + optax on the same model objects (NNX, or Linen
+through flax's bridge) and follow jaxdist's documented RNG contract: at step k every RNG
+stream of the model is reseeded with fold_in(key(seed), k), and under pmap/shard_map with
+fold_in of that with the device index d."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from bn_models import NNXCNN, LinenCNN, images, loss_fn
+from flax import nnx
+
+import jaxdist
+from helpers import relative_error
+
+SEED, STEPS, DEVICES, LR = 5, 5, 8, 0.1
+
+
+def make_model(kind: str):
+    if kind == "nnx":
+        return NNXCNN(nnx.Rngs(SEED))
+    return jaxdist.as_nnx(LinenCNN(), images(0)["x"][:1], seed=SEED)
+
+
+def train_jaxdist(kind: str, strategy: str):
+    mesh = jaxdist.make_mesh(data=DEVICES)
+    dp = jaxdist.DataParallel(
+        make_model(kind), optax.sgd(LR), loss_fn, mesh=mesh, strategy=strategy, seed=SEED
+    )
+    state = dp.init_state()
+    for step in range(STEPS):
+        state, _ = dp.step(state, jaxdist.shard_batch(images(step), mesh))
+    return dp, state
+
+
+def reference(kind: str, per_device_keys: bool | None):
+    """1-device loop. per_device_keys=None: one global batch (gspmd semantics); True/False:
+    simulate 8 replicas on their own rows (with distinct / identical dropout keys),
+    averaging their gradients and running statistics."""
+    model = make_model(kind)
+    model.train()
+    graphdef, params, stats, rngs = nnx.split(model, nnx.Param, nnx.BatchStat, nnx.RngState)
+    tx = optax.sgd(LR)
+    opt_state = tx.init(params)
+
+    def with_stream_keys(key):  # eagerly, outside any trace, with flax's own reseed
+        m = nnx.merge(graphdef, params, stats, rngs)
+        streams = {v.tag for _, v in nnx.iter_graph(m) if isinstance(v, nnx.RngStream)}
+        nnx.reseed(m, **dict.fromkeys(streams, key))
+        return nnx.state(m, nnx.RngState)
+
+    def loss(p, s, r, batch):
+        m = nnx.merge(graphdef, p, s, r, copy=True)
+        return loss_fn(m, batch, None), nnx.state(m, nnx.BatchStat)
+
+    grad = jax.jit(jax.grad(loss, has_aux=True))
+    for step in range(STEPS):
+        batch, key = images(step), jax.random.fold_in(jax.random.key(SEED), step)
+        if per_device_keys is None:
+            grads, stats = grad(params, stats, with_stream_keys(key), batch)
+        else:
+            rows = len(batch["x"]) // DEVICES
+            outs = [
+                grad(
+                    params,
+                    stats,
+                    with_stream_keys(jax.random.fold_in(key, d) if per_device_keys else key),
+                    {k: v[d * rows : (d + 1) * rows] for k, v in batch.items()},
+                )
+                for d in range(DEVICES)
+            ]
+            grads, stats = jax.tree.map(lambda *xs: np.mean(np.stack(xs), 0), *outs)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, stats
+
+
+def max_error(got, want) -> float:
+    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    return max(relative_error(g, w) for g, w in pairs)
+
+
+@pytest.mark.parametrize("kind", ["nnx", "linen"])
+def test_gspmd_equals_one_device_with_global_batch_statistics(kind):
+    dp, state = train_jaxdist(kind, "gspmd")
+    params, stats = reference(kind, per_device_keys=None)
+    one = dp.unreplicate(state)
+    assert len(jax.tree.leaves(stats)) == 2  # mean and var of the one BatchNorm
+    assert max_error(one.params, params) < 1e-5
+    assert max_error(one.batch_stats, stats) < 1e-5
+
+
+def replica_copies(strategy: str, tree):
+    """Every device's own copy of each leaf: pmap's leading axis, or shard_map's buffers."""
+    if strategy == "pmap":
+        return [jax.tree.map(lambda x, d=d: np.asarray(x[d]), tree) for d in range(DEVICES)]
+    return [
+        jax.tree.map(lambda x, d=d: np.asarray(x.addressable_shards[d].data), tree)
+        for d in range(DEVICES)
+    ]
+
+
+@pytest.mark.parametrize("kind", ["nnx", "linen"])
+@pytest.mark.parametrize("strategy", ["pmap", "shard_map"])
+def test_replicas_agree_and_average_their_statistics(kind, strategy):
+    dp, state = train_jaxdist(kind, strategy)
+    copies = replica_copies(strategy, (state.params, state.batch_stats))
+    for other in copies[1:]:  # no drift: every replica holds the same numbers
+        jax.tree.map(np.testing.assert_array_equal, copies[0], other)
+    params, stats = reference(kind, per_device_keys=True)
+    one = dp.unreplicate(state)
+    assert max_error(one.params, params) < 1e-5
+    assert max_error(one.batch_stats, stats) < 1e-5  # the mean of per-replica statistics
+    # Dropout masks differ between devices: replicas that shared one key would have
+    # trained to other params.
+    same_key_params, _ = reference(kind, per_device_keys=False)
+    assert max_error(one.params, same_key_params) > 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["pmap", "shard_map", "gspmd"])
+def test_mean_over_replicas_in_a_hand_written_step(strategy):
+    mesh = jaxdist.make_mesh(data=DEVICES)
+    w = np.linspace(-1, 1, 6, dtype=np.float32)
+    batch = {"x": np.random.default_rng(0).normal(size=(16, 6)).astype(np.float32)}
+
+    def loss(w, b):
+        return ((b["x"] @ w) ** 2).mean()
+
+    def step(w, b):  # what a user writes: local grads, then the average over replicas
+        return jaxdist.mean_over_replicas(jax.grad(loss)(w, b))
+
+    want = jax.grad(loss)(w, batch)
+    sharded = jaxdist.shard_batch(batch, mesh)
+    if strategy == "pmap":
+        rows = jax.tree.map(lambda x: x.reshape(DEVICES, -1, *x.shape[1:]), batch)
+        got = jax.pmap(step, axis_name="data", in_axes=(None, 0))(w, rows)[0]
+    elif strategy == "shard_map":
+        P = jax.sharding.PartitionSpec
+        got = jax.jit(
+            jax.shard_map(
+                step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False
+            )
+        )(w, sharded)
+    else:
+        got = jax.jit(step)(w, sharded)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_gradient_of_averaged_loss_is_wrong_as_documented():
+    """The docstring's warning holds: grad(mean_over_replicas(loss)) stays local."""
+    w = np.float32(2.0)
+    xs = np.arange(1, 9, dtype=np.float32)
+
+    def wrong(w, x):
+        return jax.grad(lambda w: jaxdist.mean_over_replicas((w * x) ** 2))(w)
+
+    got = jax.pmap(wrong, axis_name="data", in_axes=(None, 0))(w, xs)
+    assert np.allclose(got, 2 * w * xs**2)  # each replica's own gradient
+    assert not np.allclose(got, np.mean(2 * w * xs**2))
+
+
+def test_step_keys_differ_by_device_and_step():
+    mesh = jaxdist.make_mesh(data=4)
+    P = jax.sharding.PartitionSpec
+
+    def keys(step):
+        return jax.random.key_data(jaxdist.step_key(SEED, step))[None]
+
+    per_device = jax.jit(jax.shard_map(keys, mesh=mesh, in_specs=P(), out_specs=P("data")))
+    k0, k1 = np.asarray(per_device(0)), np.asarray(per_device(1))
+    assert len({tuple(k) for k in k0}) == 4  # one key per device
+    assert not set(map(tuple, k0)) & set(map(tuple, k1))  # never repeated across steps
+
+
+def test_initialize_and_main_process_helpers(capsys):
+    info = jaxdist.initialize()
+    assert (info.process_index, info.process_count) == (0, 1)
+    assert info.device_count == info.local_device_count == 8
+    assert jaxdist.is_main_process()
+    jaxdist.print_main("hello from rank 0")
+    jaxdist.barrier("test")
+    assert "hello from rank 0" in capsys.readouterr().out
+
+
+def test_sampler_shares_partition_the_global_batch():
+    whole = jaxdist.DistributedSampler(100, 16, seed=1, process_index=0, process_count=1)
+    shares = [
+        jaxdist.DistributedSampler(100, 16, seed=1, process_index=p, process_count=4)
+        for p in range(4)
+    ]
+    seen = []
+    for step in range(whole.steps_per_epoch):  # 6 steps of 16: 96 of 100 examples
+        parts = np.concatenate([s.indices(step) for s in shares])
+        np.testing.assert_array_equal(parts, whole.indices(step))
+        seen += parts.tolist()
+    assert len(seen) == len(set(seen)) == 96  # nothing repeated within the epoch
+    assert not np.array_equal(whole.indices(6), whole.indices(0))  # epoch 2: new order
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        ("not a model", "expected a flax.nnx.Module or a flax.linen.Module, got str"),
+        (LinenCNN(), "needs an example_input"),
+    ],
+)
+def test_bad_models_are_clear_errors(model, match):
+    with pytest.raises(jaxdist.ModelError, match=match):
+        jaxdist.DataParallel(model, optax.sgd(0.1), loss_fn)
+
+
+def test_non_scalar_loss_is_a_clear_error():
+    def per_example(model, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])
+
+    mesh = jaxdist.make_mesh(data=2)
+    dp = jaxdist.DataParallel(NNXCNN(nnx.Rngs(0)), optax.sgd(0.1), per_example, mesh=mesh)
+    with pytest.raises(jaxdist.ModelError, match=r"scalar loss.*shape \(32,\)"):
+        dp.step(dp.init_state(), jaxdist.shard_batch(images(0), mesh))
+
+
+def test_unknown_model_state_is_a_clear_error():
+    class RunningMean(nnx.Variable):
+        pass
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(np.ones(3, np.float32))
+            self.seen = RunningMean(np.zeros(3, np.float32))
+
+        def __call__(self, x):
+            return x * self.w
+
+    with pytest.raises(jaxdist.ModelError, match=r"cannot find the batch statistics.*seen"):
+        jaxdist.DataParallel(Model(), optax.sgd(0.1), loss_fn)
