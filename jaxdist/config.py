@@ -76,6 +76,18 @@ class TrainConfig:
     run_dir: str = ""  # "" -> runs/<model>-<strategy>-<time>
     cpu_devices: int = 0  # >0: emulate this many CPU devices (set before jax starts)
     num_devices: int = 0  # >0: use only the first N devices; 0: all
+    save_params: str = ""  # write the final params to this .npz (process 0)
+
+
+@dataclass
+class DistConfig:
+    # The process group; empty: SLURM, then JAXDIST_* / MASTER_ADDR... environment, else one.
+    coordinator: str = ""  # HOST:PORT of process 0 (PyTorch: MASTER_ADDR:MASTER_PORT)
+    num_processes: int = 0  # (PyTorch: WORLD_SIZE, counted in processes)
+    process_id: int = -1  # (PyTorch: RANK)
+    local_device_ids: str = ""  # "0,1": this process's GPUs (PyTorch: LOCAL_RANK)
+    init_timeout: float = 300.0  # s to wait for every process to join
+    heartbeat_timeout: float = 100.0  # s without a heartbeat before a peer counts as dead
 
 
 @dataclass
@@ -84,6 +96,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
@@ -180,6 +193,12 @@ def validate(config: Config) -> None:
     }.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
+    for key, value in {
+        "dist.init_timeout": config.dist.init_timeout,
+        "dist.heartbeat_timeout": config.dist.heartbeat_timeout,
+    }.items():
+        if value <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {value}")
     if config.optim.lr <= 0:
         raise ConfigError(f"optim.lr: must be > 0, got {config.optim.lr}")
     if config.model.d_model % config.model.n_heads:

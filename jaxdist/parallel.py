@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
@@ -14,6 +15,7 @@ from jaxdist import strategies
 from jaxdist.adapt import as_nnx
 from jaxdist.sharding import make_mesh
 from jaxdist.step import TrainState, init_state, make_train_step
+from jaxdist.strategies import local_value
 
 
 class DataParallel:
@@ -83,6 +85,11 @@ class DataParallel:
     def metrics(self, metrics) -> dict[str, float]:
         """Device metrics -> Python floats (waits for the step to finish)."""
         return self._wired.get_metrics(metrics)
+
+    def host_params(self, state: TrainState) -> dict[str, np.ndarray]:
+        """The parameters as numpy on this host, keyed by path ("layers/0/kernel")."""
+        flat = nnx.to_flat_state(self.unreplicate(state).params)
+        return {"/".join(map(str, path)): local_value(var.get_value()) for path, var in flat}
 
     def merge(self, state: TrainState) -> nnx.Module:
         """The trained model as an ``nnx.Module`` in eval mode."""

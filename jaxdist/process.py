@@ -6,11 +6,19 @@ PyTorch's ``init_process_group`` / ``rank`` / ``world_size`` / ``barrier`` map t
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import traceback
 from dataclasses import dataclass
 
 import jax
 
+from jaxdist import cluster
+from jaxdist.cluster import ClusterSpec
 from jaxdist.errors import JaxdistError
+
+EXIT_PEER_FAILURE = 1  # the group did not form, or a peer died: not the user's input
 
 
 @dataclass(frozen=True)
@@ -46,17 +54,104 @@ def use_cpu_devices(count: int) -> None:
             ) from None
 
 
-def initialize(cpu_devices: int = 0) -> ProcessInfo:
+def select_platform(name: str | None) -> None:
+    """``JAXDIST_PLATFORM=cpu`` (or gpu, tpu) picks the platform before JAX starts."""
+    if name:
+        jax.config.update("jax_platforms", {"gpu": "cuda"}.get(name, name))
+
+
+def _join(spec: ClusterSpec, init_timeout: float, heartbeat_timeout: float) -> None:
+    """jax.distributed.initialize, bounded: if the group has not formed within
+    ``init_timeout`` s we exit with a clear message. (JAX's own timeout aborts the process
+    with SIGABRT and a C++ stack trace, so ours fires first; it runs while JAX waits,
+    because JAX releases the GIL.)"""
+    waited_for = (
+        f"the coordinator {spec.coordinator}" if spec.coordinator else "the SLURM coordinator"
+    )
+
+    def give_up():
+        print(
+            f"[rank {spec.process_id}] jaxdist: error: the process group did not form within "
+            f"--init-timeout {init_timeout:g}s: process {spec.process_id} of "
+            f"{spec.num_processes} waited for {waited_for} ({spec.source})",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_PEER_FAILURE)
+
+    watchdog = threading.Timer(init_timeout, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    kwargs = dict(
+        local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
+        initialization_timeout=int(init_timeout) + 30,
+        heartbeat_timeout_seconds=int(heartbeat_timeout),
+    )
+    if spec.source == "slurm":
+        jax.distributed.initialize(**kwargs)  # JAX reads SLURM's environment itself
+    else:
+        jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id, **kwargs)
+    watchdog.cancel()
+    _exit_fast_on_uncaught_error(spec.process_id)
+
+
+def _exit_fast_on_uncaught_error(process_id: int) -> None:
+    """An uncaught exception prints with a ``[rank N]`` prefix and exits at once with 1.
+    A normal interpreter exit would wait in JAX's shutdown barrier for the other
+    processes (which keep running), up to the shutdown timeout, and then abort."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        lines = traceback.format_exception(kind, value, tb)
+        text = "".join(lines).rstrip("\n").replace("\n", f"\n[rank {process_id}] ")
+        print(f"[rank {process_id}] {text}", file=sys.stderr, flush=True)
+        if kind is KeyboardInterrupt:
+            previous(kind, value, tb)
+        os._exit(EXIT_PEER_FAILURE)
+
+    sys.excepthook = hook
+
+
+def exit_now(code: int) -> None:
+    """Ends the process with ``code``. With several processes and a non-zero code, skips
+    JAX's shutdown barrier (it would wait for peers that are still training)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code and jax.distributed.is_initialized() and jax.process_count() > 1:
+        os._exit(code)
+    sys.exit(code)
+
+
+def initialize(
+    cpu_devices: int = 0,
+    *,
+    coordinator: str = "",
+    num_processes: int = 0,
+    process_id: int = -1,
+    local_device_ids: str = "",
+    init_timeout: float = 300,
+    heartbeat_timeout: float = 100,
+) -> ProcessInfo:
     """Sets up the process group and returns who we are. Call once, before other JAX use.
 
-    Today a single process (no coordinator). ``cpu_devices=8`` emulates 8 CPU devices.
+    Where the group comes from, first that applies (see ``jaxdist.cluster``): a SLURM step
+    with several tasks; the explicit arguments; ``JAXDIST_COORDINATOR`` /
+    ``JAXDIST_NUM_PROCESSES`` / ``JAXDIST_PROCESS_ID`` (set by ``python -m jaxdist.launch``)
+    or PyTorch's ``MASTER_ADDR`` / ``MASTER_PORT`` / ``WORLD_SIZE`` / ``RANK`` /
+    ``LOCAL_RANK``; else one process. ``cpu_devices=8`` emulates 8 CPU devices per process;
+    ``JAXDIST_PLATFORM`` picks the platform. CPU processes talk through gloo.
 
     Example::
 
         info = jaxdist.initialize()
-        print(info)  # process 0/1: 8 local of 8 cpu devices
+        print(info)  # process 0/2: 4 local of 8 cpu devices
     """
+    select_platform(os.environ.get("JAXDIST_PLATFORM"))
     use_cpu_devices(cpu_devices)
+    spec = cluster.resolve(os.environ, coordinator, num_processes, process_id, local_device_ids)
+    if spec.multi_process and not jax.distributed.is_initialized():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        _join(spec, init_timeout, heartbeat_timeout)
     return ProcessInfo(
         process_index=jax.process_index(),
         process_count=jax.process_count(),

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
+import numpy as np
 
 import jaxdist
 from jaxdist import config as config_lib
@@ -20,6 +22,8 @@ from jaxdist.data import host_batches, make_source, model_input
 from jaxdist.losses import DEFAULT_LOSS
 from jaxdist.models import build_model, import_object
 from jaxdist.optim import effective_lr, make_optimizer, make_schedule
+from jaxdist.preempt import EXIT_PREEMPTED, StopFlag
+from jaxdist.process import EXIT_PEER_FAILURE, exit_now
 from jaxdist.report import Reporter
 
 
@@ -52,13 +56,30 @@ class Run:
     batches: object  # iterator of host-local numpy batches
     peak_lr: float
     history: list[dict] = field(default_factory=list)
+    compile_s: float = 0.0  # the first step, with compilation
+    elapsed_s: float = 0.0  # the whole loop
 
 
 def setup(config: Config) -> Run:
     """Built on jaxdist's public API only, as a user's own loop would be."""
     cfg = config.train
     # --- process group, devices and mesh
-    info = jaxdist.initialize(cpu_devices=cfg.cpu_devices)
+    d = config.dist
+    info = jaxdist.initialize(
+        cpu_devices=cfg.cpu_devices,
+        coordinator=d.coordinator,
+        num_processes=d.num_processes,
+        process_id=d.process_id,
+        local_device_ids=d.local_device_ids,
+        init_timeout=d.init_timeout,
+        heartbeat_timeout=d.heartbeat_timeout,
+    )
+    print(f"[rank {info.process_index}] {info}", flush=True)  # one line per process
+    if cfg.num_devices and info.process_count > 1 and cfg.num_devices != info.device_count:
+        raise ConfigError(
+            f"--num-devices {cfg.num_devices}: with {info.process_count} processes every "
+            f"device takes part; use all {info.device_count}"
+        )
     mesh = jaxdist.make_mesh(data=cfg.num_devices or -1)
     check_batch(cfg.global_batch_size, mesh.size, cfg.grad_accum)
     # --- data: this process's rows of each global batch
@@ -109,28 +130,58 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
     report = Reporter(run_dir, cfg.steps, is_main and not quiet)
     per_device = cfg.global_batch_size // run.mesh.size
     report.print(
-        f"jaxdist: {cfg.strategy} on {run.mesh.size} {run.info.platform} "
-        f"device(s); global batch {cfg.global_batch_size} = {run.mesh.size} x {per_device} "
-        f"(grad-accum {cfg.grad_accum}); effective lr {run.peak_lr:.3g} "
-        f"({config.optim.lr_scaling} scaling)" + (f"; run dir {run_dir}" if run_dir else "")
+        f"jaxdist: {cfg.strategy} on {run.mesh.size} {run.info.platform} device(s) in "
+        f"{run.info.process_count} process(es); global batch {cfg.global_batch_size} = "
+        f"{run.mesh.size} x {per_device} (grad-accum {cfg.grad_accum}); effective lr "
+        f"{run.peak_lr:.3g} ({config.optim.lr_scaling} scaling)"
+        + (f"; run dir {run_dir}" if run_dir else "")
     )
+    stop = StopFlag()
+    try:
+        stopped_at = loop(run, report, stop)
+    except Exception as err:
+        if run.info.process_count == 1:
+            raise
+        # A collective failed: a peer died. Exit now; JAX's shutdown barrier would otherwise
+        # wait a whole heartbeat timeout and then abort.
+        print(
+            f"[rank {run.info.process_index}] jaxdist: error: {type(err).__name__}: {err}; "
+            "a peer process probably died",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_PEER_FAILURE)
+    report.close()
+    if cfg.save_params and is_main:
+        np.savez(cfg.save_params, **run.dp.host_params(run.state))
+    first, last = run.history[0]["loss"], run.history[-1]["loss"]
+    report.print(
+        f"done: {run.history[-1]['step']} steps in {run.elapsed_s:.1f}s (first step, "
+        f"with compilation: {run.compile_s:.1f}s); loss {first:.4f} -> {last:.4f}"
+    )
+    if stopped_at is not None:
+        raise Preempted(stopped_at)
+    return run
 
-    # --- loop; the first step also compiles, so it is timed apart
-    seq_len = config.model.seq_len if run.task == "lm" else 0
-    state, steps_since, compile_s = run.state, 0, 0.0
+
+def loop(run: Run, report: Reporter, stop: StopFlag) -> int | None:
+    """The training loop; returns the step it stopped at early on a signal, or None."""
+    cfg = run.config.train
+    seq_len = run.config.model.seq_len if run.task == "lm" else 0
+    state, steps_since = run.state, 0
     t_start = t_last = time.perf_counter()
     for step in range(1, cfg.steps + 1):
         batch = jaxdist.shard_batch(next(run.batches), run.mesh)
         state, metrics = run.dp.step(state, batch)
         steps_since += 1
-        if step == 1:
+        if step == 1:  # the first step also compiles: timed apart
             jax.block_until_ready(metrics)
             t_last = time.perf_counter()
-            compile_s, steps_since = t_last - t_start, 0
+            run.compile_s, steps_since = t_last - t_start, 0
         if step % cfg.log_every == 0 or step == cfg.steps:
             values = run.dp.metrics(metrics)  # waits for the step to finish
             now = time.perf_counter()
-            step_time = compile_s if step == 1 else (now - t_last) / steps_since
+            step_time = run.compile_s if step == 1 else (now - t_last) / steps_since
             values.update(
                 step=step, step_time_s=step_time, samples_per_s=cfg.global_batch_size / step_time
             )
@@ -139,14 +190,16 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
             run.history.append(values)
             report.log(values)
             t_last, steps_since = now, 0
-    run.state = state
-    report.close()
-    first, last = run.history[0]["loss"], run.history[-1]["loss"]
-    report.print(
-        f"done: {cfg.steps} steps in {time.perf_counter() - t_start:.1f}s "
-        f"(first step, with compilation: {compile_s:.1f}s); loss {first:.4f} -> {last:.4f}"
-    )
-    return run
+            if step < cfg.steps and stop.agreed():
+                run.state, run.elapsed_s = state, time.perf_counter() - t_start
+                return step
+    run.state, run.elapsed_s = state, time.perf_counter() - t_start
+    return None
+
+
+class Preempted(Exception):
+    def __init__(self, step: int):
+        super().__init__(f"stopped at step {step} on SIGUSR1 (preemption); exit {EXIT_PREEMPTED}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,10 +207,20 @@ def main(argv: list[str] | None = None) -> int:
         config = config_lib.parse_args(argv)
         train(config)
     except jaxdist.JaxdistError as err:
-        print(f"jaxdist: error: {err}", file=sys.stderr)
+        print(f"{rank_prefix()}jaxdist: error: {err}", file=sys.stderr, flush=True)
         return 2
+    except Preempted as stop:
+        print(f"{rank_prefix()}jaxdist: {stop}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     return 0
 
 
+def rank_prefix() -> str:
+    """``[rank N] `` once the process group exists with several processes, else ``""``."""
+    if jax.distributed.is_initialized() and jax.process_count() > 1:
+        return f"[rank {jax.process_index()}] "
+    return ""
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

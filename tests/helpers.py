@@ -60,3 +60,32 @@ def load_experiment(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def launch(*args, cwd=None, timeout=300, env_extra=None):
+    """``python -m jaxdist.launch ...`` as a subprocess; returns (proc, seconds)."""
+    import time
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxdist.launch", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+    return proc, time.monotonic() - start
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes: it runs nothing and holds no port.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(") ")[1][0] != "Z"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxdist.config import ConfigError
@@ -39,5 +40,12 @@ def wire(name: str, train_step: Callable, mesh: Mesh) -> Wired:
     return module.wire(train_step, mesh)
 
 
+def local_value(x) -> np.ndarray:
+    """This process's first copy of a replicated (or per-device stacked) array; works when
+    the global array spans other processes' devices too."""
+    return np.asarray(x.addressable_data(0))
+
+
 def scalars(metrics) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items()}
+    """Replicated scalars, or pmap's (N,) per-device copies: the first local value."""
+    return {k: float(local_value(v).reshape(-1)[0]) for k, v in metrics.items()}

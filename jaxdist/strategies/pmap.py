@@ -31,6 +31,7 @@ def wire(train_step, mesh) -> Wired:
         step=lambda state, batch: pstep(state, by_device(batch)),
         lower=lambda state, batch: pstep.lower(state, by_device(batch)),
         put_state=put_state,
-        get_state=lambda state: jax.tree.map(lambda x: x[0], state),
-        get_metrics=lambda metrics: scalars(jax.tree.map(lambda x: x[0], metrics)),
+        # Device 0's copy, read from this process's first device (pmap keeps N copies).
+        get_state=lambda state: jax.tree.map(lambda x: x.addressable_data(0)[0], state),
+        get_metrics=scalars,
     )

@@ -1,0 +1,30 @@
+#!/bin/bash
+# jaxdist on one node with 8 GPUs: one process per GPU.
+#
+#   sbatch slurm/1node.sh --model gpt --global-batch-size 128
+#
+# (On one node a single process driving all 8 GPUs works too: --ntasks-per-node=1.)
+#SBATCH --job-name=jaxdist-1node
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=12
+#SBATCH --time=04:00:00
+#SBATCH --output=%x-%j.out
+#SBATCH --signal=USR1@120
+#SBATCH --requeue
+set -uo pipefail
+
+# The same settings as slurm/8node.sh; see there for why each helps.
+export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}"
+export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-1}"
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax-cache}"
+
+srun --kill-on-bad-exit=1 python -m jaxdist.train "$@"
+rc=$?
+if [ "$rc" -eq 75 ]; then
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$rc"
