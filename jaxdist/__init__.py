@@ -6,9 +6,11 @@ The public API (PyTorch names in brackets)::
     mesh = jaxdist.make_mesh(data=-1)                 # all devices on axis "data"
     dp = jaxdist.DataParallel(model, tx, loss_fn, mesh=mesh, strategy="gspmd")  # [DDP(model)]
     sampler = jaxdist.DistributedSampler(n, global_batch_size=256)  # [DistributedSampler]
+    eval_sampler = jaxdist.EvalSampler(n, 256)        # every example once, padding masked
     batch = jaxdist.shard_batch(host_numpy_batch, mesh)
     state, metrics = dp.step(state, batch)
     jaxdist.mean_over_replicas(tree)                  # [all_reduce / world_size], in a step
+    jaxdist.sum_over_replicas(tree)                   # [all_reduce], in a step
     jaxdist.barrier("name"); jaxdist.is_main_process(); jaxdist.print_main(...)
 """
 
@@ -16,8 +18,8 @@ from jaxdist.adapt import as_nnx
 from jaxdist.errors import JaxdistError, ModelError
 from jaxdist.parallel import DataParallel
 from jaxdist.process import ProcessInfo, barrier, initialize, is_main_process, print_main
-from jaxdist.replicas import mean_over_replicas, replica_index, step_key
-from jaxdist.sampler import DistributedSampler
+from jaxdist.replicas import mean_over_replicas, replica_index, step_key, sum_over_replicas
+from jaxdist.sampler import DistributedSampler, EvalSampler
 from jaxdist.sharding import make_mesh, shard_batch
 from jaxdist.step import TrainState
 
@@ -26,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DataParallel",
     "DistributedSampler",
+    "EvalSampler",
     "JaxdistError",
     "ModelError",
     "ProcessInfo",
@@ -40,4 +43,5 @@ __all__ = [
     "replica_index",
     "shard_batch",
     "step_key",
+    "sum_over_replicas",
 ]

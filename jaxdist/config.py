@@ -40,7 +40,8 @@ class ModelConfig:
     hidden: int = 128
     depth: int = 2
     num_classes: int = 10
-    # gpt: byte-level decoder-only transformer, tokens (B, seq_len) -> logits (B, seq_len, 256)
+    # gpt: decoder-only transformer, tokens (B, seq_len) -> logits (B, seq_len, vocab_size)
+    vocab_size: int = 0  # 0 = the data's (bytes + end of document: 257)
     seq_len: int = 64
     d_model: int = 64
     n_layers: int = 2
@@ -49,7 +50,20 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    num_examples: int = 16384  # synthetic classification set; LM windows come from the corpus
+    # "" = the task's default (lm: the standard library corpus; classify: synthetic), or
+    # synthetic | grammar | stdlib | FILE.bin/.npy (tokens) | FILE.npz | text files, folders
+    # or globs, comma-separated | package.module:factory (see jaxdist/data/build.py)
+    path: str = field(default="", metadata={"flag": "--data"})
+    eval_path: str = field(default="", metadata={"flag": "--eval-data"})  # held-out file
+    token_dtype: Literal["auto", "uint16", "uint32"] = "auto"  # .bin ids; auto: sidecar
+    npz_inputs: str = "x"  # .npz array names
+    npz_labels: str = "y"
+    eval_fraction: float = 0.02  # text: share of files held out (by file)
+    last_batch: Literal["drop", "wrap"] = "drop"  # an epoch's last partial global batch
+    prefetch: int = 2  # device batches built ahead by a background thread
+    cache_dir: str = ""  # prepared text; "" = $JAXDIST_CACHE or ~/.cache/jaxdist
+    num_examples: int = 16384  # synthetic classification: training examples
+    eval_examples: int = 2048  # synthetic classification: held-out examples
 
 
 @dataclass
@@ -77,6 +91,8 @@ class TrainConfig:
     cpu_devices: int = 0  # >0: emulate this many CPU devices (set before jax starts)
     num_devices: int = 0  # >0: use only the first N devices; 0: all
     save_params: str = ""  # write the final params to this .npz (process 0)
+    eval_every: int = 0  # run the held-out set every N steps and at the end; 0 = never
+    eval_batch_size: int = 0  # global; 0 = global_batch_size
 
 
 @dataclass
@@ -181,6 +197,8 @@ def validate(config: Config) -> None:
         "model.n_layers": config.model.n_layers,
         "model.n_heads": config.model.n_heads,
         "data.num_examples": config.data.num_examples,
+        "data.eval_examples": config.data.eval_examples,
+        "data.prefetch": config.data.prefetch,
     }
     for key, value in positive.items():
         if value < 1:
@@ -190,6 +208,9 @@ def validate(config: Config) -> None:
         "train.num_devices": config.train.num_devices,
         "optim.base_batch_size": config.optim.base_batch_size,
         "optim.warmup_steps": config.optim.warmup_steps,
+        "model.vocab_size": config.model.vocab_size,
+        "train.eval_every": config.train.eval_every,
+        "train.eval_batch_size": config.train.eval_batch_size,
     }.items():
         if value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
@@ -199,6 +220,8 @@ def validate(config: Config) -> None:
     }.items():
         if value <= 0:
             raise ConfigError(f"{key}: must be > 0, got {value}")
+    if not 0 <= config.data.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {config.data.eval_fraction}")
     if config.optim.lr <= 0:
         raise ConfigError(f"optim.lr: must be > 0, got {config.optim.lr}")
     if config.model.d_model % config.model.n_heads:

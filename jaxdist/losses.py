@@ -1,7 +1,11 @@
-"""Default losses by task. Signature: ``loss_fn(model, batch) -> (loss, aux_metrics)``,
-the mean over this call's batch rows, computed in float32 whatever the compute dtype."""
+"""Default losses and evaluation metrics by task.
+
+Losses: ``loss_fn(model, batch) -> (loss, aux_metrics)``, the mean over this call's batch
+rows, computed in float32 whatever the compute dtype."""
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 import optax
@@ -22,3 +26,39 @@ def next_token_loss(model, batch):
 
 
 DEFAULT_LOSS = {"classify": classification_loss, "lm": next_token_loss}
+
+
+# Evaluation: ``eval_fn(model, batch) -> {name: (B,)}`` per-example values; the eval step
+# sums them over real (unpadded) rows. Shown as eval_<name> = sum / count, except
+# ``nats``/``bytes``, which give bits per byte = sum(nats) / ln 2 / sum(bytes).
+
+
+def classification_eval(model, batch):
+    logits = model(batch["x"]).astype(jnp.float32)  # (B, C)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])  # (B,)
+    return {"loss": loss, "accuracy": (logits.argmax(-1) == batch["y"]).astype(jnp.float32)}
+
+
+def next_token_eval(model, batch):
+    tokens = batch["tokens"]
+    logits = model(tokens[:, :-1]).astype(jnp.float32)  # (B, T, vocab)
+    nats = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])  # (B, T)
+    # Byte-level text: every target below 256 is one byte of text; specials (end of
+    # document) cost bits but are not bytes. Bits per byte = all bits / bytes.
+    is_byte = (tokens[:, 1:] < 256).astype(jnp.float32)
+    return {"loss": nats.mean(-1), "nats": nats.sum(-1), "bytes": is_byte.sum(-1)}
+
+
+DEFAULT_EVAL = {"classify": classification_eval, "lm": next_token_eval}
+
+
+def eval_metrics(sums: dict[str, float], byte_level: bool) -> dict[str, float]:
+    """Summed eval values -> ``eval_loss``, ``eval_accuracy``, ``eval_bpb``, ``eval_count``."""
+    count = sums["count"]
+    out = {"eval_count": round(count)}
+    for name, total in sums.items():
+        if name not in ("count", "nats", "bytes"):
+            out[f"eval_{name}"] = total / count
+    if byte_level and sums.get("bytes"):
+        out["eval_bpb"] = sums["nats"] / math.log(2) / sums["bytes"]
+    return out

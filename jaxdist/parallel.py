@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jaxdist import strategies
 from jaxdist.adapt import as_nnx
 from jaxdist.sharding import make_mesh
-from jaxdist.step import TrainState, init_state, make_train_step
+from jaxdist.step import TrainState, init_state, make_eval_step, make_train_step
 from jaxdist.strategies import local_value
 
 
@@ -33,6 +33,8 @@ class DataParallel:
       grad_accum: microbatches per device per step.
       seed: base of the per-step keys (``fold_in(key(seed), step)``).
       schedule: the optimizer's LR schedule, only to report ``lr`` in the metrics.
+      eval_fn: ``eval_fn(model, batch) -> {name: (B,) per-example values}`` for
+        ``evaluate``; e.g. ``jaxdist.losses.classification_eval``.
 
     Example::
 
@@ -55,6 +57,7 @@ class DataParallel:
         seed: int = 0,
         schedule: optax.Schedule | None = None,
         example_input=None,
+        eval_fn: Callable | None = None,
     ):
         model = as_nnx(model, example_input, seed=seed)
         model.train()  # dropout on, BatchNorm uses batch statistics
@@ -64,7 +67,8 @@ class DataParallel:
         train_step = make_train_step(
             self.graphdef, loss_fn, optimizer, grad_accum=grad_accum, seed=seed, schedule=schedule
         )
-        self._wired = strategies.wire(strategy, train_step, self.mesh)
+        eval_step = make_eval_step(self.graphdef, eval_fn or _no_eval_fn)
+        self._wired = strategies.wire(strategy, train_step, eval_step, self.mesh)
 
     def init_state(self) -> TrainState:
         """The initial state on the devices, in this strategy's layout."""
@@ -73,6 +77,11 @@ class DataParallel:
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One optimizer step on a global batch from ``shard_batch``. Donates ``state``."""
         return self._wired.step(state, batch)
+
+    def evaluate(self, state: TrainState, batch) -> dict[str, float]:
+        """Sums of ``eval_fn``'s per-example values over the rows of a global batch whose
+        ``mask`` (from ``EvalSampler``) is 1, and ``count``, the number of such rows."""
+        return self._wired.get_metrics(self._wired.evaluate(state, batch))
 
     def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
         """The lowered step, e.g. ``dp.lower(state, batch).compile().as_text()``."""
@@ -97,3 +106,7 @@ class DataParallel:
         model = nnx.merge(self.graphdef, one.params, one.batch_stats, one.rng_state)
         model.eval()
         return model
+
+
+def _no_eval_fn(model, batch):
+    raise TypeError("DataParallel.evaluate needs DataParallel(..., eval_fn=...)")

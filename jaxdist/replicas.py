@@ -48,6 +48,15 @@ def mean_over_replicas(tree):
     return jax.tree.map(mean, tree)
 
 
+def sum_over_replicas(tree):
+    """Sums every leaf over the data-parallel replicas: ``lax.psum`` over ``data`` under
+    pmap and shard_map, the identity under gspmd. For counts and sums of masked values,
+    e.g. evaluation (PyTorch's ``all_reduce(t)``)."""
+    if replica_index() is None:
+        return tree
+    return jax.tree.map(lambda x: lax.psum(x, DATA), tree)
+
+
 def step_key(seed: int, step) -> jax.Array:
     """The random key of optimizer step ``step``: ``fold_in(key(seed), step)``, then
     ``fold_in(replica_index)`` under pmap/shard_map so that no two devices share dropout

@@ -18,6 +18,11 @@ def _fmt(metrics: dict) -> str:
         parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
     else:
         parts.append(f"{metrics['samples_per_s']:,.0f} samples/s")
+    if "data_wait_frac" in metrics:
+        parts.append(f"data wait {metrics['data_wait_frac']:.0%}")
+    for name, fmt in [("eval_loss", ".4f"), ("eval_bpb", ".3f"), ("eval_accuracy", ".3f")]:
+        if name in metrics:
+            parts.append(f"{name} {metrics[name]:{fmt}}")
     return "  ".join(parts)
 
 

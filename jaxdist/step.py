@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxdist.adapt import split_model
 from jaxdist.errors import ModelError
-from jaxdist.replicas import mean_over_replicas, step_key
+from jaxdist.replicas import mean_over_replicas, step_key, sum_over_replicas
 
 
 @jax.tree_util.register_dataclass
@@ -154,3 +154,21 @@ def make_train_step(
         return new_state, metrics
 
     return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef, eval_fn: Callable):
+    """``eval_step(state, batch) -> sums``: ``eval_fn(model, batch) -> {name: (B,)}``
+    per-example values, summed with ``batch["mask"]`` as weights (0 on padding rows), plus
+    ``count`` = the number of real rows; summed over replicas. Means are sums / count, so
+    padding never counts, whatever the device count."""
+
+    def eval_step(state: TrainState, batch):
+        model = nnx.merge(graphdef, state.params, state.batch_stats, state.rng_state, copy=True)
+        model.eval()  # dropout off, BatchNorm on running statistics
+        mask = batch["mask"]  # (B,) 1.0 real, 0.0 padding
+        per_example = eval_fn(model, {k: v for k, v in batch.items() if k != "mask"})
+        sums = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in per_example.items()}
+        sums["count"] = jnp.sum(mask)
+        return sum_over_replicas(sums)
+
+    return eval_step

@@ -5,11 +5,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -17,10 +19,10 @@ import numpy as np
 
 import jaxdist
 from jaxdist import config as config_lib
+from jaxdist import data as data_lib
 from jaxdist.config import Config, ConfigError
-from jaxdist.data import host_batches, make_source, model_input
-from jaxdist.losses import DEFAULT_LOSS
-from jaxdist.models import build_model, import_object
+from jaxdist.losses import DEFAULT_EVAL, DEFAULT_LOSS, eval_metrics
+from jaxdist.models import build_model, import_object, model_task
 from jaxdist.optim import effective_lr, make_optimizer, make_schedule
 from jaxdist.preempt import EXIT_PREEMPTED, StopFlag
 from jaxdist.process import EXIT_PEER_FAILURE, exit_now
@@ -53,7 +55,8 @@ class Run:
     task: str
     dp: jaxdist.DataParallel
     state: jaxdist.TrainState  # on the devices, in the strategy's layout
-    batches: object  # iterator of host-local numpy batches
+    data: data_lib.Data
+    batches: data_lib.Prefetcher  # device batches, built ahead in a background thread
     peak_lr: float
     history: list[dict] = field(default_factory=list)
     compile_s: float = 0.0  # the first step, with compilation
@@ -82,12 +85,35 @@ def setup(config: Config) -> Run:
         )
     mesh = jaxdist.make_mesh(data=cfg.num_devices or -1)
     check_batch(cfg.global_batch_size, mesh.size, cfg.grad_accum)
-    # --- data: this process's rows of each global batch
-    model, task = build_model(config.model, cfg.seed)
-    source = make_source(task, config, cfg.seed)
-    sampler = jaxdist.DistributedSampler(len(source), cfg.global_batch_size, seed=cfg.seed)
-    batches = host_batches(source, sampler)
-    # --- loss, optimizer, and the data-parallel step
+    if cfg.eval_every:
+        check_batch(cfg.eval_batch_size or cfg.global_batch_size, mesh.size, 1)
+    # --- data: sources checked before anything compiles; this process's rows, ahead of use
+    task = model_task(config.model)
+    data = data_lib.build(config, task, progress=info.process_index == 0)
+    if cfg.eval_every and data.eval is None:
+        raise ConfigError(
+            f"--eval-every {cfg.eval_every}: {data.description} has no held-out "
+            "set; give one with --eval-data"
+        )
+    if len(data.train) < cfg.global_batch_size:
+        unit = f"windows of {config.model.seq_len + 1} tokens" if task == "lm" else "examples"
+        raise ConfigError(
+            f"--data {data.description}: {len(data.train)} {unit} are fewer than one global "
+            f"batch of {cfg.global_batch_size}"
+        )
+    sampler = jaxdist.DistributedSampler(
+        len(data.train), cfg.global_batch_size, seed=cfg.seed, last_batch=config.data.last_batch
+    )
+    batches = data_lib.Prefetcher(
+        data_lib.host_batches(data.train, sampler),
+        put=partial(jaxdist.shard_batch, mesh=mesh),
+        depth=config.data.prefetch,
+    )
+    # --- model, loss, optimizer, and the data-parallel step
+    model_config = config.model
+    if task == "lm" and not model_config.vocab_size:
+        model_config = dataclasses.replace(model_config, vocab_size=data.vocab_size)
+    model, _ = build_model(model_config, cfg.seed)
     loss_fn = import_object(config.model.loss, "--loss") if config.model.loss else None
     schedule = make_schedule(config.optim, cfg.global_batch_size, cfg.steps)
     dp = jaxdist.DataParallel(
@@ -99,10 +125,23 @@ def setup(config: Config) -> Run:
         grad_accum=cfg.grad_accum,
         seed=cfg.seed,
         schedule=schedule,
-        example_input=model_input(task, source[[0]]),
+        example_input=data_lib.model_input(task, data.train[[0]]),
+        eval_fn=DEFAULT_EVAL[task],
     )
     peak_lr = effective_lr(config.optim, cfg.global_batch_size)
-    return Run(config, info, mesh, task, dp, dp.init_state(), batches, peak_lr)
+    return Run(config, info, mesh, task, dp, dp.init_state(), data, batches, peak_lr)
+
+
+def evaluate(run: Run, state) -> dict[str, float]:
+    """The held-out metrics: every example counted once (padding masked), on any mesh."""
+    cfg = run.config.train
+    sampler = jaxdist.EvalSampler(len(run.data.eval), cfg.eval_batch_size or cfg.global_batch_size)
+    totals: dict[str, float] = {}
+    for host_batch in data_lib.eval_batches(run.data.eval, sampler):
+        sums = run.dp.evaluate(state, jaxdist.shard_batch(host_batch, run.mesh))
+        for name, value in sums.items():  # summed in float64 on the host
+            totals[name] = totals.get(name, 0.0) + value
+    return eval_metrics(totals, run.data.byte_level)
 
 
 def default_run_dir(config: Config) -> Path:
@@ -140,6 +179,7 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
     try:
         stopped_at = loop(run, report, stop)
     except Exception as err:
+        run.batches.close()
         if run.info.process_count == 1:
             raise
         # A collective failed: a peer died. Exit now; JAX's shutdown barrier would otherwise
@@ -151,6 +191,7 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
             flush=True,
         )
         os._exit(EXIT_PEER_FAILURE)
+    run.batches.close()
     report.close()
     if cfg.save_params and is_main:
         np.savez(cfg.save_params, **run.dp.host_params(run.state))
@@ -168,17 +209,24 @@ def loop(run: Run, report: Reporter, stop: StopFlag) -> int | None:
     """The training loop; returns the step it stopped at early on a signal, or None."""
     cfg = run.config.train
     seq_len = run.config.model.seq_len if run.task == "lm" else 0
-    state, steps_since = run.state, 0
+    state, previous_loss = run.state, None
+    steps_since, waited_s = 0, 0.0  # since the last log line
     t_start = t_last = time.perf_counter()
     for step in range(1, cfg.steps + 1):
-        batch = jaxdist.shard_batch(next(run.batches), run.mesh)
+        batch, wait_s = next(run.batches)  # built and on the devices already, normally
         state, metrics = run.dp.step(state, batch)
-        steps_since += 1
+        if previous_loss is not None:
+            # At most one step ahead of the devices: then time spent waiting for data is
+            # time the devices might have idled, not time the loop ran ahead.
+            jax.block_until_ready(previous_loss)
+        previous_loss = metrics["loss"]
+        steps_since, waited_s = steps_since + 1, waited_s + wait_s
         if step == 1:  # the first step also compiles: timed apart
             jax.block_until_ready(metrics)
             t_last = time.perf_counter()
-            run.compile_s, steps_since = t_last - t_start, 0
-        if step % cfg.log_every == 0 or step == cfg.steps:
+            run.compile_s, steps_since, waited_s = t_last - t_start, 0, 0.0
+        eval_now = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
+        if step % cfg.log_every == 0 or step == cfg.steps or eval_now:
             values = run.dp.metrics(metrics)  # waits for the step to finish
             now = time.perf_counter()
             step_time = run.compile_s if step == 1 else (now - t_last) / steps_since
@@ -187,9 +235,15 @@ def loop(run: Run, report: Reporter, stop: StopFlag) -> int | None:
             )
             if seq_len:
                 values["tokens_per_s"] = values["samples_per_s"] * seq_len
+            if step > 1:  # the time the step waited for input, per step and as a share
+                values["data_wait_s"] = waited_s / steps_since
+                values["data_wait_frac"] = waited_s / (now - t_last)
+            if eval_now:
+                values.update(evaluate(run, state))
+                now = time.perf_counter()  # evaluation is not training time
             run.history.append(values)
             report.log(values)
-            t_last, steps_since = now, 0
+            t_last, steps_since, waited_s = now, 0, 0.0
             if step < cfg.steps and stop.agreed():
                 run.state, run.elapsed_s = state, time.perf_counter() - t_start
                 return step

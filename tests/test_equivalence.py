@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from helpers import relative_error, small_config
-from jaxdist.data import TeacherClassification
+from jaxdist.data.synthetic import TeacherClassification
 from jaxdist.models import build_model
 from jaxdist.sampler import DistributedSampler
 from jaxdist.train import train

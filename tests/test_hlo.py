@@ -11,7 +11,6 @@ import re
 import jax
 import pytest
 
-import jaxdist
 from helpers import small_config
 from jaxdist.train import setup
 
@@ -20,7 +19,7 @@ SHAPE = re.compile(r"f32\[([\d,]*)\]")
 
 def lowered_step(strategy: str, num_devices: int):
     run = setup(small_config(strategy=strategy, num_devices=num_devices))
-    batch = jaxdist.shard_batch(next(run.batches), run.mesh)
+    batch, _ = next(run.batches)  # already on the devices
     params = run.dp.unreplicate(run.state).params
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     return run.dp.lower(run.state, batch), n_params

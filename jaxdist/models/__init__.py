@@ -38,7 +38,7 @@ def _gpt(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     from jaxdist.models.gpt import GPT
 
     return GPT(
-        BYTE_VOCAB,
+        cfg.vocab_size or BYTE_VOCAB,
         cfg.seq_len,
         cfg.d_model,
         cfg.n_layers,
@@ -91,8 +91,11 @@ def resolve(cfg: ModelConfig) -> ModelSpec:
     return ModelSpec(build, "classify")
 
 
+def model_task(cfg: ModelConfig) -> str:
+    """``classify`` or ``lm``: which data and default loss the model takes."""
+    return resolve(cfg).task if cfg.task == "auto" else cfg.task
+
+
 def build_model(cfg: ModelConfig, seed: int):
     """(module, task): the module may be NNX or Linen (``jaxdist.as_nnx`` adapts it)."""
-    spec = resolve(cfg)
-    task = spec.task if cfg.task == "auto" else cfg.task
-    return spec.factory(cfg, nnx.Rngs(seed)), task
+    return resolve(cfg).factory(cfg, nnx.Rngs(seed)), model_task(cfg)

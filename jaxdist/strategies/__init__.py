@@ -1,6 +1,7 @@
-"""Each strategy wires the one pure ``train_step`` to devices, and does nothing else.
+"""Each strategy wires the one pure ``train_step`` (and ``eval_step``) to devices, and
+does nothing else.
 
-``wire(name, train_step, mesh) -> Wired``. Every strategy's step takes the same global
+``wire(name, train_step, eval_step, mesh) -> Wired``. Every strategy's step takes the same global
 batch (``shard_batch`` output, rows split over ``data``); what differs is the state's
 layout and whether the step runs per device (pmap, shard_map) or globally (gspmd).
 """
@@ -23,12 +24,13 @@ class Wired:
     put_state: Callable  # one host copy of the state -> device state in this layout
     get_state: Callable  # device state -> one copy
     get_metrics: Callable  # device metrics -> {name: float}
+    evaluate: Callable  # (state, global_batch with "mask") -> {name: summed value}
 
 
 NAMES = ("pmap", "shard_map", "gspmd")
 
 
-def wire(name: str, train_step: Callable, mesh: Mesh) -> Wired:
+def wire(name: str, train_step: Callable, eval_step: Callable, mesh: Mesh) -> Wired:
     if name == "pmap":
         from jaxdist.strategies import pmap as module
     elif name == "shard_map":
@@ -37,7 +39,7 @@ def wire(name: str, train_step: Callable, mesh: Mesh) -> Wired:
         from jaxdist.strategies import gspmd as module
     else:
         raise ConfigError(f"strategy: {name!r} is not one of {', '.join(NAMES)}")
-    return module.wire(train_step, mesh)
+    return module.wire(train_step, eval_step, mesh)
 
 
 def local_value(x) -> np.ndarray:

@@ -16,18 +16,20 @@ from jaxdist.sharding import BATCH_SPEC, replicate
 from jaxdist.strategies import Wired, scalars
 
 
-def wire(train_step, mesh) -> Wired:
-    replicated = NamedSharding(mesh, P())
+def wire(train_step, eval_step, mesh) -> Wired:
+    replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, BATCH_SPEC)
     step = jax.jit(
         train_step,
-        in_shardings=(replicated, NamedSharding(mesh, BATCH_SPEC)),
+        in_shardings=(replicated, batch),
         out_shardings=(replicated, replicated),
         donate_argnums=0,
     )
+    evaluate = jax.jit(eval_step, in_shardings=(replicated, batch), out_shardings=replicated)
     return Wired(
         step=step,
         lower=step.lower,
         put_state=partial(replicate, mesh=mesh),
         get_state=lambda state: state,
         get_metrics=scalars,
+        evaluate=evaluate,
     )

@@ -11,10 +11,12 @@ from jaxdist.sharding import BATCH_SPEC, DATA
 from jaxdist.strategies import Wired, scalars
 
 
-def wire(train_step, mesh) -> Wired:
+def wire(train_step, eval_step, mesh) -> Wired:
     n = mesh.size
     stacked = NamedSharding(mesh, BATCH_SPEC)  # leading axis split over devices
-    pstep = jax.pmap(train_step, axis_name=DATA, devices=list(mesh.devices.flat), donate_argnums=0)
+    devices = list(mesh.devices.flat)
+    pstep = jax.pmap(train_step, axis_name=DATA, devices=devices, donate_argnums=0)
+    peval = jax.pmap(eval_step, axis_name=DATA, devices=devices)
 
     # (G, ...) -> (N, G/N, ...): each device's block of rows becomes its row; no data moves.
     by_device = jax.jit(
@@ -34,4 +36,5 @@ def wire(train_step, mesh) -> Wired:
         # Device 0's copy, read from this process's first device (pmap keeps N copies).
         get_state=lambda state: jax.tree.map(lambda x: x.addressable_data(0)[0], state),
         get_metrics=scalars,
+        evaluate=lambda state, batch: peval(state, by_device(batch)),
     )

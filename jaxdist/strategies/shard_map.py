@@ -16,15 +16,19 @@ from jaxdist.sharding import BATCH_SPEC, replicate
 from jaxdist.strategies import Wired, scalars
 
 
-def wire(train_step, mesh) -> Wired:
-    mapped = jax.shard_map(
-        train_step, mesh=mesh, in_specs=(P(), BATCH_SPEC), out_specs=(P(), P()), check_vma=False
-    )
-    step = jax.jit(mapped, donate_argnums=0)
+def wire(train_step, eval_step, mesh) -> Wired:
+    def per_device(fn, out_specs):
+        return jax.shard_map(
+            fn, mesh=mesh, in_specs=(P(), BATCH_SPEC), out_specs=out_specs, check_vma=False
+        )
+
+    step = jax.jit(per_device(train_step, (P(), P())), donate_argnums=0)
+    evaluate = jax.jit(per_device(eval_step, P()))  # sums are psum-ed: replicated
     return Wired(
         step=step,
         lower=step.lower,
         put_state=partial(replicate, mesh=mesh),
         get_state=lambda state: state,
         get_metrics=scalars,
+        evaluate=evaluate,
     )

@@ -1,17 +1,12 @@
-"""Synthetic, deterministic data. Loaders yield *host-local numpy*: this process's rows
-of the global batch, picked by ``DistributedSampler``. ``jaxdist.shard_batch`` is the one
-seam to device arrays.
-
-A source is anything with ``__len__`` and ``__getitem__(indices) -> {name: array}``.
-"""
+"""Built-in synthetic data, deterministic by seed: a classification set labelled by a
+random linear teacher (``--data synthetic``, the MLP's default) and a byte corpus from
+a tiny grammar (``--data grammar``, quick to learn)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 
-from jaxdist.sampler import DistributedSampler
+from jaxdist.errors import JaxdistError
 
 Batch = dict[str, np.ndarray]
 
@@ -20,9 +15,13 @@ class TeacherClassification:
     """``num_examples`` rows of x ~ N(0, 1), (in_features,), labelled by the argmax of a
     fixed random linear teacher: learnable, and deterministic by seed."""
 
-    def __init__(self, num_examples: int, in_features: int, num_classes: int, seed: int):
+    def __init__(
+        self, num_examples: int, in_features: int, num_classes: int, seed: int, split: int = 0
+    ):
         rng = np.random.default_rng([seed, 0])
         teacher = rng.normal(size=(in_features, num_classes)).astype(np.float32)
+        if split:  # held-out rows: the same teacher, inputs from another stream
+            rng = np.random.default_rng([seed, 0, split])
         self.x = rng.normal(size=(num_examples, in_features)).astype(np.float32)
         self.y = np.argmax(self.x @ teacher, axis=-1).astype(np.int32)
 
@@ -60,7 +59,10 @@ class ByteWindows:
         self.tokens = np.frombuffer(corpus or grammar_corpus(), dtype=np.uint8)
         self.seq_len = seq_len
         if len(self.tokens) <= seq_len + 1:
-            raise ValueError(f"corpus of {len(self.tokens)} bytes is shorter than seq_len + 1")
+            raise JaxdistError(
+                f"sequence length {seq_len} needs at least {seq_len + 2} bytes; the corpus has "
+                f"{len(self.tokens)}"
+            )
 
     def __len__(self) -> int:
         return len(self.tokens) - self.seq_len
@@ -68,23 +70,3 @@ class ByteWindows:
     def __getitem__(self, indices) -> Batch:
         windows = np.asarray(indices)[:, None] + np.arange(self.seq_len + 1)  # (B, T + 1)
         return {"tokens": self.tokens[windows].astype(np.int32)}
-
-
-def make_source(task: str, config, seed: int):
-    if task == "lm":
-        return ByteWindows(config.model.seq_len)
-    m = config.model
-    return TeacherClassification(config.data.num_examples, m.in_features, m.num_classes, seed)
-
-
-def model_input(task: str, batch: Batch) -> np.ndarray:
-    """What the model is called on, e.g. to initialise a Linen module."""
-    return batch["tokens"][:, :-1] if task == "lm" else batch["x"]
-
-
-def host_batches(source, sampler: DistributedSampler, start_step: int = 0) -> Iterator[Batch]:
-    """This process's rows of each global batch, from ``start_step`` on."""
-    step = start_step
-    while True:
-        yield source[sampler.indices(step)]
-        step += 1

@@ -1,0 +1,45 @@
+"""The input pipeline: sources on disk or synthetic, samplers, host batches, prefetch.
+
+Loaders yield host-local numpy (this process's rows); ``jaxdist.shard_batch`` is the one
+seam to global device arrays. ``python -m jaxdist.data prepare`` writes token files.
+"""
+
+from jaxdist.data.arrays import NpzArrays
+from jaxdist.data.build import Data, build
+from jaxdist.data.loader import Batch, DataSource, Prefetcher, eval_batches, host_batches
+from jaxdist.data.text import (
+    BYTE_VOCAB,
+    EOT,
+    collect_files,
+    default_cache_dir,
+    prepare,
+    stdlib_corpus,
+)
+from jaxdist.data.tokens import TokenWindows, read_sidecar, write_token_file
+
+
+def model_input(task: str, batch: Batch):
+    """What the model is called on, e.g. to initialise a Linen module."""
+    return batch["tokens"][:, :-1] if task == "lm" else batch["x"]
+
+
+__all__ = [
+    "BYTE_VOCAB",
+    "EOT",
+    "Batch",
+    "Data",
+    "DataSource",
+    "NpzArrays",
+    "Prefetcher",
+    "TokenWindows",
+    "build",
+    "collect_files",
+    "default_cache_dir",
+    "eval_batches",
+    "host_batches",
+    "model_input",
+    "prepare",
+    "read_sidecar",
+    "stdlib_corpus",
+    "write_token_file",
+]

@@ -1,0 +1,98 @@
+"""From a source to device batches: host batches by sampler, and a background producer.
+
+Loaders yield *host-local numpy*, this process's rows of a global batch; ``shard_batch``
+(the one seam) turns them into a global device array. The ``Prefetcher`` runs both in a
+thread, ``depth`` batches ahead, so the step does not wait for input.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import numpy as np
+
+from jaxdist.sampler import DistributedSampler, EvalSampler
+
+Batch = dict[str, np.ndarray]
+
+
+class DataSource(Protocol):
+    """What jaxdist reads: ``len(source)`` examples, and ``source[indices]`` -> a batch,
+    ``{name: (len(indices), ...) numpy array}``, e.g. ``{"tokens": (B, T + 1) int32}``
+    or ``{"x": (B, F) float32, "y": (B,) int32}``. Indexing must be deterministic."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, indices: np.ndarray) -> Batch: ...
+
+
+def host_batches(source: DataSource, sampler: DistributedSampler, start_step: int = 0):
+    """This process's rows of each global batch, from ``start_step`` on."""
+    step = start_step
+    while True:
+        yield source[sampler.indices(step)]
+        step += 1
+
+
+def eval_batches(source: DataSource, sampler: EvalSampler) -> Iterator[Batch]:
+    """This process's rows of every eval batch, with ``mask`` (B/P,): 0 on padding."""
+    for step in range(sampler.steps):
+        indices, mask = sampler.indices(step)
+        yield {**source[indices], "mask": mask}
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class Prefetcher:
+    """Iterates ``put(batch)`` for each host batch, computed by a background thread that
+    keeps up to ``depth`` finished batches ready (plus one in the making).
+
+    ``next(prefetcher)`` returns ``(device_batch, wait_s)``: ``wait_s`` is the time the
+    caller blocked for it, 0 when the producer keeps ahead. An error in the producer is
+    raised here, in the caller's thread."""
+
+    def __init__(self, batches: Iterator[Batch], put: Callable, depth: int = 2):
+        self._batches, self._put = batches, put
+        self._ready: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name="jaxdist-prefetch")
+        self._thread.daemon = True  # never keeps a finished or failed process alive
+        self._thread.start()
+
+    def _produce(self) -> None:
+        try:
+            for batch in self._batches:
+                item = self._put(batch)
+                while not self._stop.is_set():
+                    try:
+                        self._ready.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._ready.put(_Failed(StopIteration()))  # a finite source ends the iteration
+        except BaseException as error:  # handed to the consumer, raised there
+            self._ready.put(_Failed(error))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = time.perf_counter()
+        item = self._ready.get()
+        wait_s = time.perf_counter() - start
+        if isinstance(item, _Failed):
+            raise item.error
+        return item, wait_s
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

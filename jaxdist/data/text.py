@@ -1,0 +1,236 @@
+"""Byte-level text: each file becomes its bytes (ids 0..255) followed by ``EOT`` (256).
+``prepare`` writes train/eval token files, split by file; ``stdlib_corpus`` prepares the
+running Python's standard library once into a cache folder."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import os
+import sys
+import sysconfig
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from jaxdist.data.tokens import TokenWriter, read_sidecar
+from jaxdist.errors import JaxdistError
+
+EOT = 256  # document separator, after every file
+BYTE_VOCAB = 257
+SPLIT_BUCKETS = 10_000
+_NOT_STDLIB = frozenset({"site-packages", "dist-packages"})
+
+Entry = tuple[Path, str]  # (file, split key: relative to a folder input, else as given)
+
+
+def collect_files(inputs: list[str]) -> list[Path]:
+    """Files named by ``inputs`` (files, folders walked recursively, globs), sorted, once each."""
+    return [path for path, _ in _collect(inputs)]
+
+
+def _collect(inputs: list[str]) -> list[Entry]:
+    found: dict[str, Entry] = {}
+    for given in inputs:
+        matches = _expand(str(given))
+        if not matches:
+            raise JaxdistError(
+                f"{given}: matches no file (not a file, a folder with files or a glob)"
+            )
+        for path, key in matches:
+            found.setdefault(os.path.realpath(path), (path, key))
+    if not found:
+        raise JaxdistError("no input files given")
+    return sorted(found.values(), key=lambda entry: entry[0])
+
+
+def _expand(given: str) -> list[Entry]:
+    path = Path(given)
+    if path.is_file():
+        return [(path, path.as_posix())]
+    if path.is_dir():
+        return [(path / rel, rel.as_posix()) for rel in _walk(path)]
+    entries = []
+    for match in map(Path, sorted(glob.glob(given, recursive=True))):
+        if match.is_file():
+            entries.append((match, match.as_posix()))
+        elif match.is_dir():
+            entries.extend((match / rel, (match / rel).as_posix()) for rel in _walk(match))
+    return entries
+
+
+def _walk(folder: Path, skip_dirs=frozenset()) -> Iterator[Path]:
+    """Files under ``folder`` (relative to it), sorted; hidden files and folders skipped."""
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in skip_dirs)
+        for name in sorted(files):
+            if not name.startswith(".") and os.path.isfile(os.path.join(root, name)):
+                yield Path(root, name).relative_to(folder)
+
+
+def held_out(keys: list[str], eval_fraction: float) -> list[bool]:
+    """Which files go to eval: crc32(key) % 10_000 < eval_fraction * 10_000, so a file's
+    split depends on its name alone. With 2+ files and eval_fraction > 0, the lowest
+    bucket is held out and the highest kept if need be, so both splits get a file."""
+    buckets = [zlib.crc32(key.encode()) % SPLIT_BUCKETS for key in keys]
+    held = [bucket < eval_fraction * SPLIT_BUCKETS for bucket in buckets]
+    if eval_fraction > 0 and len(keys) >= 2:
+        if not any(held):
+            held[buckets.index(min(buckets))] = True
+        if all(held):
+            held[buckets.index(max(buckets))] = False
+    return held
+
+
+def prepare(inputs, out_dir, *, eval_fraction: float = 0.0, progress: bool = True):
+    """Tokenises ``inputs`` into ``out_dir/train.bin`` (and ``eval.bin`` when
+    eval_fraction > 0), each with a sidecar; returns {"train": path[, "eval": path]}."""
+    inputs = [str(i) for i in ([inputs] if isinstance(inputs, str | os.PathLike) else inputs)]
+    return _prepare(_collect(inputs), Path(out_dir), eval_fraction, progress, " ".join(inputs))
+
+
+def _prepare(
+    entries: list[Entry], out_dir: Path, eval_fraction: float, progress: bool, sources: str
+) -> dict[str, Path]:
+    if not 0 <= eval_fraction < 1:
+        raise JaxdistError(f"eval fraction must be in [0, 1), got {eval_fraction}")
+    held = held_out([key for _, key in entries], eval_fraction)
+    if len(entries) == 1:
+        held = [False]  # one file: split inside it, below
+    sizes = [_size(path) for path, _ in entries]
+    _check_not_empty(sizes, held, sources)
+    names = ["train", "eval"] if eval_fraction > 0 else ["train"]
+    with contextlib.ExitStack() as stack:
+        writers = {
+            name: stack.enter_context(TokenWriter(out_dir / f"{name}.bin", BYTE_VOCAB))
+            for name in names
+        }
+        bar = stack.enter_context(_Progress(sum(sizes), progress))
+        if eval_fraction > 0 and len(entries) == 1:
+            files = _write_tail_split(entries[0], eval_fraction, writers, bar)
+        else:
+            files = _write_by_file(entries, held, writers, bar)
+        return {name: writers[name].commit(sources, files[name]) for name in names}
+
+
+def _write_by_file(entries, held, writers, bar) -> dict[str, list[str]]:
+    files: dict[str, list[str]] = {name: [] for name in writers}
+    for (path, key), is_eval in zip(entries, held, strict=True):
+        name = "eval" if is_eval else "train"
+        tokens = _tokenise(path)  # (bytes + 1,)
+        writers[name].write(tokens, documents=1)
+        files[name].append(key)
+        bar.advance(len(tokens) - 1)
+    return files
+
+
+def _write_tail_split(entry, eval_fraction, writers, bar) -> dict[str, list[str]]:
+    """One file cannot be split by file: its last ``eval_fraction`` of bytes is held out
+    (a 1 MB file at 0.02: the first 980 KB train, the last 20 KB eval)."""
+    path, key = entry
+    tokens = _tokenise(path)  # (bytes + 1,), ends with EOT
+    cut = round((len(tokens) - 1) * (1 - eval_fraction))
+    writers["train"].write(np.append(tokens[:cut], np.uint16(EOT)), documents=1)
+    writers["eval"].write(tokens[cut:], documents=1)
+    bar.advance(len(tokens) - 1)
+    return {"train": [f"{key}[:{cut}]"], "eval": [f"{key}[{cut}:]"]}
+
+
+def _check_not_empty(sizes: list[int], held: list[bool], sources: str) -> None:
+    if sum(sizes) == 0:
+        raise JaxdistError(f"{sources}: the corpus is empty ({len(sizes)} files, 0 bytes)")
+    if sum(size for size, is_eval in zip(sizes, held, strict=True) if not is_eval) == 0:
+        raise JaxdistError(f"{sources}: the train split is empty (all its files have 0 bytes)")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as err:
+        raise JaxdistError(f"{path}: cannot read: {err.strerror}") from err
+
+
+def _tokenise(path: Path) -> np.ndarray:
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise JaxdistError(f"{path}: cannot read: {err.strerror}") from err
+    tokens = np.empty(len(data) + 1, np.uint16)
+    tokens[:-1] = np.frombuffer(data, np.uint8)
+    tokens[-1] = EOT
+    return tokens
+
+
+class _Progress:
+    """Bytes read: a rich bar when stderr is a terminal, else a plain line per ~10%."""
+
+    def __init__(self, total_bytes: int, enabled: bool):
+        self.total, self.done, self.enabled = total_bytes, 0, enabled
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+            columns = (BarColumn(bar_width=30), DownloadColumn(), TimeRemainingColumn())
+            self.bar = Progress(*columns, console=Console(stderr=True), transient=True)
+            self.task = self.bar.add_task("prepare", total=total_bytes)
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def advance(self, nbytes: int) -> None:
+        tenths_before = 10 * self.done // max(self.total, 1)
+        self.done += nbytes
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self.done)
+        elif self.enabled and 10 * self.done // max(self.total, 1) > tenths_before:
+            mb, total_mb = self.done / 1e6, self.total / 1e6
+            print(f"prepare: {mb:.1f} of {total_mb:.1f} MB read", file=sys.stderr, flush=True)
+
+
+def default_cache_dir() -> Path:
+    """``$JAXDIST_CACHE``, else ``$XDG_CACHE_HOME/jaxdist``, else ``~/.cache/jaxdist``."""
+    if os.environ.get("JAXDIST_CACHE"):
+        return Path(os.environ["JAXDIST_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "jaxdist"
+
+
+def stdlib_corpus(cache_dir=None, *, eval_fraction: float = 0.02, progress: bool = True):
+    """The running Python's standard library ``.py`` files as byte tokens, prepared once
+    into ``cache_dir`` (default: ``default_cache_dir()``) and reused after that."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    entries = [
+        (root / rel, rel.as_posix()) for rel in _walk(root, _NOT_STDLIB) if rel.suffix == ".py"
+    ]
+    total_bytes = sum(_size(path) for path, _ in entries)
+    # The split depends on eval_fraction too, so it is part of the key.
+    key_text = f"{root}\n{len(entries)}\n{total_bytes}\n{eval_fraction}"
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:10]
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    out_dir = Path(cache_dir or default_cache_dir()) / f"stdlib-py{version}-{key}"
+    names = ["train", "eval"] if eval_fraction > 0 else ["train"]
+    paths = {name: out_dir / f"{name}.bin" for name in names}
+    # A sidecar is renamed into place after its .bin: with all sidecars there, all is done.
+    if all(path.with_name(path.name + ".json").is_file() for path in paths.values()):
+        return paths
+    sources = f"Python {version} standard library at {root}"
+    paths = _prepare(entries, out_dir, eval_fraction, progress, sources)
+    counts = {name: read_sidecar(path)["num_tokens"] for name, path in paths.items()}
+    split = ", ".join(f"{name} {n:,}" for name, n in counts.items())
+    print(
+        f"jaxdist: prepared the {sources}: {len(entries)} files, "
+        f"{sum(counts.values()):,} tokens ({split}) in {out_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return paths

@@ -1,0 +1,161 @@
+"""The input pipeline: sampler semantics, masked evaluation, prefetch, data on the CLI."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxdist
+from jaxdist.data import Prefetcher, eval_batches, host_batches
+from jaxdist.losses import classification_eval, classification_loss
+from jaxdist.models.mlp import MLP
+
+
+def shares(n, g, step, processes, **kw):
+    """The global batch of ``step`` as the processes' shares, concatenated in rank order."""
+    parts = [
+        jaxdist.DistributedSampler(n, g, seed=7, process_index=p, process_count=processes, **kw)
+        for p in range(processes)
+    ]
+    return np.concatenate([s.indices(step) for s in parts])
+
+
+@pytest.mark.parametrize("last_batch", ["drop", "wrap"])
+def test_global_batch_does_not_depend_on_the_process_count(last_batch):
+    for step in [0, 1, 14, 15, 16, 47]:
+        one = shares(1000, 64, step, 1, last_batch=last_batch)
+        for processes in (2, 4, 8):
+            np.testing.assert_array_equal(
+                shares(1000, 64, step, processes, last_batch=last_batch), one
+            )
+
+
+def test_drop_reads_each_example_at_most_once_per_epoch_and_drops_the_rest():
+    sampler = jaxdist.DistributedSampler(1000, 64, seed=7, process_index=0, process_count=1)
+    assert sampler.steps_per_epoch == 15  # 15 * 64 = 960; 40 dropped
+    epoch0 = np.concatenate([sampler.global_indices(k) for k in range(15)])
+    assert len(np.unique(epoch0)) == 960
+    epoch1 = np.concatenate([sampler.global_indices(k) for k in range(15, 30)])
+    assert len(np.unique(epoch1)) == 960
+    assert not np.array_equal(epoch0, epoch1)  # reshuffled by (seed, epoch)
+
+
+def test_wrap_reads_every_example_exactly_once_per_epoch():
+    sampler = jaxdist.DistributedSampler(
+        1000, 64, seed=7, last_batch="wrap", process_index=0, process_count=1
+    )
+    stream = np.concatenate([sampler.global_indices(k) for k in range(125)])  # 8000 = 8 epochs
+    for epoch in range(8):
+        assert sorted(stream[epoch * 1000 : (epoch + 1) * 1000]) == list(range(1000))
+    # step 15 crosses the epoch boundary: 40 rows from epoch 0, 24 from epoch 1
+    np.testing.assert_array_equal(sampler.global_indices(15)[:40], sampler.epoch_order(0)[960:])
+    np.testing.assert_array_equal(sampler.global_indices(15)[40:], sampler.epoch_order(1)[:24])
+
+
+def test_restarting_at_step_k_needs_only_k():
+    source = {"i": np.arange(500)}
+
+    class Rows:
+        def __len__(self):
+            return 500
+
+        def __getitem__(self, idx):
+            return {"i": source["i"][idx]}
+
+    def sampler():
+        return jaxdist.DistributedSampler(500, 32, seed=3, process_index=1, process_count=2)
+
+    straight = host_batches(Rows(), sampler())
+    ran = [next(straight)["i"] for _ in range(40)]
+    resumed = host_batches(Rows(), sampler(), start_step=23)  # a fresh process at step 23
+    for k in range(23, 40):
+        np.testing.assert_array_equal(next(resumed)["i"], ran[k])
+
+
+def test_eval_sampler_counts_every_example_once_across_processes():
+    seen, masked = [], 0
+    for p in range(2):
+        sampler = jaxdist.EvalSampler(1001, 64, process_index=p, process_count=2)
+        assert sampler.steps == 16  # ceil(1001 / 64)
+        for step in range(sampler.steps):
+            idx, mask = sampler.indices(step)
+            seen.extend(idx[mask == 1])
+            masked += int((mask == 0).sum())
+    assert sorted(seen) == list(range(1001))
+    assert masked == 16 * 64 - 1001
+
+
+class Arrays:
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, idx):
+        return {"x": self.x[idx], "y": self.y[idx]}
+
+
+@pytest.mark.parametrize("strategy", ["gspmd", "shard_map", "pmap"])
+@pytest.mark.parametrize("num_devices", [1, 8])
+def test_eval_counts_1001_examples_once_and_matches_the_plain_mean(strategy, num_devices):
+    rng = np.random.default_rng(0)
+    held_out = Arrays(rng.normal(size=(1001, 6)).astype(np.float32), rng.integers(0, 3, 1001))
+    model = MLP(6, 16, 2, 3, rngs=nnx.Rngs(0))
+    reference = classification_eval(model, {"x": held_out.x, "y": held_out.y})  # one batch
+    mesh = jaxdist.make_mesh(data=num_devices)
+    dp = jaxdist.DataParallel(
+        model,
+        optax.sgd(0.1),
+        classification_loss,
+        mesh=mesh,
+        strategy=strategy,
+        eval_fn=classification_eval,
+    )
+    state = dp.init_state()
+    totals = {}
+    for batch in eval_batches(held_out, jaxdist.EvalSampler(1001, 64)):
+        for name, value in dp.evaluate(state, jaxdist.shard_batch(batch, mesh)).items():
+            totals[name] = totals.get(name, 0.0) + value
+    assert totals["count"] == 1001
+    np.testing.assert_allclose(totals["loss"] / 1001, np.mean(reference["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(totals["accuracy"], np.sum(reference["accuracy"]), rtol=1e-6)
+
+
+def test_prefetcher_keeps_two_batches_ready_and_reports_waits():
+    made = []
+
+    def put(batch):
+        made.append(batch)
+        return batch
+
+    fetch = Prefetcher(iter(range(100)), put, depth=2)
+    first, _ = next(fetch)
+    time.sleep(0.5)  # a slow step: the producer fills the queue meanwhile
+    assert first == 0 and len(made) >= 3  # the one taken, two ready, (one in the making)
+    _, wait_s = next(fetch)
+    assert wait_s < 0.05  # it was ready
+    fetch.close()
+
+    slow = Prefetcher((time.sleep(0.2) or i for i in range(3)), lambda b: b, depth=2)
+    _, wait_s = next(slow)
+    assert wait_s > 0.1  # nothing ready: the wait is measured
+    assert [b for b, _ in slow] == [1, 2]  # a finite source ends the iteration
+    slow.close()
+
+
+def test_prefetcher_raises_the_producers_error_in_the_caller():
+    def broken():
+        yield 1
+        raise OSError("disk gone")
+
+    fetch = Prefetcher(broken(), lambda b: b)
+    assert next(fetch)[0] == 1
+    with pytest.raises(OSError, match="disk gone"):
+        next(fetch)
+    assert threading.active_count() < 50
