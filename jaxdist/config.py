@@ -46,6 +46,8 @@ class ModelConfig:
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
+    # attention kernel: auto = cuDNN flash attention where it applies (GPU, bf16), else XLA
+    attention: Literal["auto", "cudnn", "xla"] = "auto"
 
 
 @dataclass

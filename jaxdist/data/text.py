@@ -225,6 +225,8 @@ def stdlib_corpus(cache_dir=None, *, eval_fraction: float = 0.02, progress: bool
         return paths
     sources = f"Python {version} standard library at {root}"
     paths = _prepare(entries, out_dir, eval_fraction, progress, sources)
+    if not progress:  # e.g. processes other than 0: quiet
+        return paths
     counts = {name: read_sidecar(path)["num_tokens"] for name, path in paths.items()}
     split = ", ".join(f"{name} {n:,}" for name, n in counts.items())
     print(

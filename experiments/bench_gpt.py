@@ -1,0 +1,138 @@
+"""GPT-2 training speed on one device: jaxdist vs a plain-JAX step vs torch.compile.
+
+Command:   python experiments/bench_gpt.py                       # GPU: 124M and 355M
+           python experiments/bench_gpt.py --cpu                 # tiny sizes, for tests
+           python experiments/bench_gpt.py --sizes 124M --who jaxdist --attention xla
+           python experiments/bench_gpt.py --cache-study         # cold vs warm compile
+Hardware:  one H100 80GB (bf16 matmul peak measured in the run), or any CPU with --cpu.
+Expected:  on the H100, batch 16 x 1024, vocabulary 50304, bf16 compute, fp32 master
+           weights, AdamW: jaxdist >= torch.compile's tokens/s (455K at 124M, 180K at
+           355M) and within 2% of plain JAX. See experiments/PERF.md for what was measured.
+
+Each (who, size) runs in its own process, so compile time is cold and peak memory is its
+own. jaxdist runs through the real trainer (``jaxdist.train.train``: token file, sampler,
+background prefetch, strategy, optimizer); plain JAX (``peer_plain_jax.py``) and
+torch.compile (``peer_torch.py``) train the same model on device-resident batches.
+Output: a table, and one JSON line per measurement in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SIZES = {  # GPT-2 sizes; batch 16 x 1024 tokens, vocabulary 50304 (50257 padded to 64)
+    "124M": dict(n_layers=12, d_model=768, n_heads=12),
+    "355M": dict(n_layers=24, d_model=1024, n_heads=16),
+}
+GPU_RUN = dict(batch=16, seq_len=1024, vocab_size=50304, dtype="bfloat16")
+CPU_SIZES = {"tiny": dict(n_layers=2, d_model=64, n_heads=4)}
+CPU_RUN = dict(batch=4, seq_len=64, vocab_size=512, dtype="float32")
+WHO = ("jaxdist", "plain-jax", "torch.compile")
+
+
+def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
+    """6N (forward + backward of every weight) + 12 L d T (attention scores and values):
+    124M at T = 1024: 6 * 124.4M + 12 * 12 * 768 * 1024 = 0.86 GFLOP per token."""
+    return 6 * n_params + 12 * n_layers * d_model * seq_len
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cpu", action="store_true", help="tiny sizes on the CPU")
+    parser.add_argument("--sizes", default="", help="comma-separated; default all")
+    parser.add_argument("--who", default=",".join(WHO), help="comma-separated subset")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps (default 30; cpu 5)")
+    parser.add_argument("--attention", default="auto", choices=["auto", "cudnn", "xla"])
+    parser.add_argument("--xla-flags", default="", help="added to XLA_FLAGS for every run")
+    parser.add_argument(
+        "--cache-study",
+        action="store_true",
+        help="jaxdist twice with one compilation cache: cold, then warm",
+    )
+    parser.add_argument("--out", default="bench_gpt.jsonl", help="JSON lines, appended")
+    parser.add_argument("--one", nargs=2, metavar=("WHO", "SIZE"), help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", default="", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def settings(args) -> tuple[dict, dict]:
+    sizes, run = (CPU_SIZES, CPU_RUN) if args.cpu else (SIZES, GPU_RUN)
+    if args.sizes:
+        unknown = set(args.sizes.split(",")) - set(sizes)
+        if unknown:
+            raise SystemExit(f"bench_gpt: unknown size(s) {sorted(unknown)}; have {list(sizes)}")
+        sizes = {k: v for k, v in sizes.items() if k in args.sizes.split(",")}
+    return sizes, {**run, "steps": args.steps or (5 if args.cpu else 30)}
+
+
+def run_one(args, who: str, size: str, cache_dir: str = "") -> dict:
+    """One measurement in a fresh process; returns its JSON record."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", who, size]
+    cmd += ["--attention", args.attention, "--steps", str(args.steps)]
+    cmd += ["--cpu"] if args.cpu else []
+    cmd += ["--cache-dir", cache_dir] if cache_dir else []
+    env = dict(os.environ)
+    flags = f"{env.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
+    if flags:
+        env["XLA_FLAGS"] = flags
+    if args.cpu:  # one CPU device, like the one GPU
+        env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr or proc.stdout)[-1500:]
+        return {"who": who, "size": size, "error": f"exit {proc.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def table(records: list[dict]) -> str:
+    head = f"{'who':<14}{'size':<6}{'step ms':>9}{'tokens/s':>12}{'MFU':>7}"
+    head += f"{'compile s':>11}{'peak GB':>9}  note"
+    rows = [head]
+    for r in records:
+        if "error" in r or "skipped" in r:
+            rows.append(f"{r['who']:<14}{r['size']:<6}  {r.get('skipped') or r['error'][-200:]}")
+            continue
+        mem = f"{r['peak_memory_gb']:.1f}" if r.get("peak_memory_gb") is not None else "-"
+        rows.append(
+            f"{r['who']:<14}{r['size']:<6}{r['step_ms']:>9.1f}{r['tokens_per_s']:>12,.0f}"
+            f"{r['mfu']:>7.1%}{r['compile_s']:>11.1f}{mem:>9}  {r.get('note', '')}"
+        )
+    return "\n".join(rows)
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    sizes, run = settings(args)
+    if args.one:
+        from bench_gpt_one import measure  # the child: one measurement, one JSON line
+
+        print(json.dumps(measure(args, *args.one, sizes[args.one[1]], run)), flush=True)
+        return
+    records = []
+    for size in sizes:
+        for who in args.who.split(","):
+            records.append(run_one(args, who, size))
+            print(table(records[-1:]).splitlines()[-1], flush=True)
+    if args.cache_study:
+        with tempfile.TemporaryDirectory() as cache:
+            for label in ("cold", "warm"):
+                record = run_one(args, "jaxdist", next(iter(sizes)), cache)
+                record["note"] = f"compilation cache {label}"
+                records.append(record)
+    print(table(records))
+    with open(args.out, "a") as out:
+        for record in records:
+            out.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main()

@@ -1,0 +1,82 @@
+"""experiments/bench_gpt.py --cpu: the plain-JAX reference is the same model as jaxdist's
+GPT, and the benchmark writes one complete record per measurement."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxdist.losses import next_token_loss
+from jaxdist.models.gpt import GPT
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+sys.path.insert(0, str(EXPERIMENTS))
+
+import peer_plain_jax as plain  # noqa: E402
+
+
+def test_plain_jax_reference_computes_jaxdists_gpt_loss_and_update():
+    model = GPT(97, 16, 32, 2, 4, rngs=nnx.Rngs(0), attention="xla")
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tokens = jax.random.randint(jax.random.key(1), (3, 17), 0, 97)
+    want, _ = next_token_loss(model, {"tokens": tokens})
+    got = plain.loss_fn(params, tokens, n_heads=4, dtype=jnp.float32, attention="xla")
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # One step of each from the same weights gives the same weights. SGD, not Adam: the
+    # key bias's gradient is zero up to rounding (softmax ignores a constant shift of the
+    # scores), and Adam would scale that rounding noise up to +-lr.
+    tx = optax.sgd(0.5)
+    new, _, _ = plain.make_step(tx, n_heads=4, dtype=jnp.float32, attention="xla")(
+        jax.tree.map(jnp.copy, params), tx.init(params), tokens
+    )
+    graphdef, state = nnx.split(model, nnx.Param)
+
+    def jaxdist_loss(p):
+        return next_token_loss(nnx.merge(graphdef, p), {"tokens": tokens})[0]
+
+    grads = jax.grad(jaxdist_loss)(state)
+    updates, _ = tx.update(grads, tx.init(state), state)
+    ref = nnx.to_pure_dict(optax.apply_updates(state, updates))
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bench_gpt_cpu_writes_a_record_per_measurement(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(EXPERIMENTS / "bench_gpt.py"), "--cpu", "--steps", "3"]
+        + ["--out", str(out), "--cache-study"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    by_who = {r["who"]: r for r in records}
+    assert {"jaxdist", "plain-jax", "torch.compile"} <= set(by_who)
+    for who in ("jaxdist", "plain-jax"):
+        r = by_who[who]
+        assert "error" not in r, r
+        assert r["size"] == "tiny" and r["step_ms"] > 0 and 0 < r["mfu"] < 1
+        tokens_per_step = r["batch"] * r["seq_len"]
+        assert (
+            abs(r["tokens_per_s"] - tokens_per_step / (r["step_ms"] / 1e3))
+            < 1e-6 * r["tokens_per_s"]
+        )
+        # 6N + 12 L d T with N counted from the model: 2 layers, d = 64, vocabulary 512
+        d, v, t = 64, 512, 64
+        assert r["n_params"] == v * d + t * d + 2 * (12 * d * d + 13 * d) + 2 * d
+    assert by_who["jaxdist"]["n_params"] == by_who["plain-jax"]["n_params"]
+    torch_record = by_who["torch.compile"]
+    assert "skipped" in torch_record or torch_record["step_ms"] > 0
+    cache = [r for r in records if "compilation cache" in r.get("note", "")]
+    assert [r["note"] for r in cache] == ["compilation cache cold", "compilation cache warm"]
+    assert "jaxdist" in proc.stdout and "tokens/s" in proc.stdout
