@@ -15,7 +15,8 @@
 #SBATCH --requeue
 set -uo pipefail
 
-# The same settings as slurm/8node.sh; see there for why each helps.
+# The same settings as slurm/8node.sh (see there for why each helps), repeated rather than
+# sourced: sbatch runs a copy of this file from its spool folder, not from slurm/.
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}"
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-1}"

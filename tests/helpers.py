@@ -36,11 +36,13 @@ def relative_error(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def run_cli(*args, cwd=None, timeout=300):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("JAX_NUM_CPU_DEVICES", None)  # the command's own --cpu-devices decides
+def run_module(module: str, *args, cwd=None, timeout=300, env_extra=None):
+    """``python -m module args...`` on the CPU platform, output captured, no stdin. The
+    command's own flags decide the device count (the suite's 8 is not inherited)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
     return subprocess.run(
-        [sys.executable, "-m", "jaxdist.train", *args],
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         cwd=cwd,
@@ -48,6 +50,11 @@ def run_cli(*args, cwd=None, timeout=300):
         timeout=timeout,
         stdin=subprocess.DEVNULL,
     )
+
+
+def run_cli(*args, cwd=None, timeout=300):
+    """``python -m jaxdist.train args...``."""
+    return run_module("jaxdist.train", *args, cwd=cwd, timeout=timeout)
 
 
 def load_experiment(name: str):
@@ -66,18 +73,8 @@ def launch(*args, cwd=None, timeout=300, env_extra=None):
     """``python -m jaxdist.launch ...`` as a subprocess; returns (proc, seconds)."""
     import time
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
-    env.pop("JAX_NUM_CPU_DEVICES", None)
     start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "jaxdist.launch", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
+    proc = run_module("jaxdist.launch", *args, cwd=cwd, timeout=timeout, env_extra=env_extra)
     return proc, time.monotonic() - start
 
 

@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from helpers import launch, run_cli
+from helpers import launch, run_cli, run_module
 from jaxdist.data import write_token_file
 
 GPT = ["--model", "gpt", "--steps", "3", "--log-every", "1", "--seq-len", "16"]
@@ -199,7 +199,7 @@ def test_bad_data_is_a_clear_error_before_compiling(tmp_path, args, expected):
 
 def test_prepare_command_then_train(tmp_path, text_folder):
     out = tmp_path / "prepared"
-    proc = run_cli_module(
+    proc = run_module(
         "jaxdist.data", "prepare", str(text_folder), "--out", str(out), "--eval-fraction", "0.2"
     )
     assert proc.returncode == 0, proc.stderr
@@ -217,34 +217,3 @@ def test_prepare_command_then_train(tmp_path, text_folder):
     )
     assert train.returncode == 0, train.stderr
     assert "eval_bpb" in records(tmp_path / "run")[-1]  # byte-level: the sidecar says 257
-
-
-def run_cli_module(module, *args):
-    import os
-    import subprocess
-
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def test_text_on_two_processes_trains_like_one(tmp_path, text_folder):
-    """Both processes prepare the text into a fresh cache at once (atomic writes), then
-    read their own halves of each global batch: the losses of 1 process x 8 devices."""
-    args = [*GPT, "--steps", "4", "--data", str(text_folder), "--eval-every", "4"]
-    one = run_cli(*args, "--cpu-devices", "8", "--run-dir", str(tmp_path / "one"))
-    assert one.returncode == 0, one.stderr
-    two, _ = launch(
-        *("--nproc", "2", "--cpu-devices-per-proc", "4", "--"),
-        *(sys.executable, "-m", "jaxdist.train", *args),
-        *("--cache-dir", str(tmp_path / "fresh-cache"), "--run-dir", str(tmp_path / "two")),
-    )
-    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    want, got = records(tmp_path / "one"), records(tmp_path / "two")
-    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-5)
-    assert got[-1]["eval_count"] == want[-1]["eval_count"]
-    assert got[-1]["eval_loss"] == pytest.approx(want[-1]["eval_loss"], rel=1e-5)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from helpers import run_module
 from jaxdist.data import (
     BYTE_VOCAB,
     EOT,
@@ -272,16 +271,7 @@ def test_an_error_midway_leaves_no_temp_files_and_the_old_output(corpus, tmp_pat
 
 
 def _cli(*args, cwd):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run(
-        [sys.executable, "-m", "jaxdist.data", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-    )
+    return run_module("jaxdist.data", *args, cwd=cwd, timeout=120)
 
 
 def test_cli_prepare_writes_files_and_exits_2_on_a_missing_input(corpus, tmp_path):
