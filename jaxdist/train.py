@@ -87,28 +87,9 @@ def setup(config: Config) -> Run:
     check_batch(cfg.global_batch_size, mesh.size, cfg.grad_accum)
     if cfg.eval_every:
         check_batch(cfg.eval_batch_size or cfg.global_batch_size, mesh.size, 1)
-    # --- data: sources checked before anything compiles; this process's rows, ahead of use
+    # --- data: sources checked before anything compiles
     task = model_task(config.model)
-    data = data_lib.build(config, task, progress=info.process_index == 0)
-    if cfg.eval_every and data.eval is None:
-        raise ConfigError(
-            f"--eval-every {cfg.eval_every}: {data.description} has no held-out "
-            "set; give one with --eval-data"
-        )
-    if len(data.train) < cfg.global_batch_size:
-        unit = f"windows of {config.model.seq_len + 1} tokens" if task == "lm" else "examples"
-        raise ConfigError(
-            f"--data {data.description}: {len(data.train)} {unit} are fewer than one global "
-            f"batch of {cfg.global_batch_size}"
-        )
-    sampler = jaxdist.DistributedSampler(
-        len(data.train), cfg.global_batch_size, seed=cfg.seed, last_batch=config.data.last_batch
-    )
-    batches = data_lib.Prefetcher(
-        data_lib.host_batches(data.train, sampler),
-        put=partial(jaxdist.shard_batch, mesh=mesh),
-        depth=config.data.prefetch,
-    )
+    data = load_data(config, task, info)
     # --- model, loss, optimizer, and the data-parallel step
     model_config = config.model
     if task == "lm" and not model_config.vocab_size:
@@ -128,8 +109,35 @@ def setup(config: Config) -> Run:
         example_input=data_lib.model_input(task, data.train[[0]]),
         eval_fn=DEFAULT_EVAL[task],
     )
+    # --- input: this process's rows of each global batch, on the devices ahead of use
+    sampler = jaxdist.DistributedSampler(
+        len(data.train), cfg.global_batch_size, seed=cfg.seed, last_batch=config.data.last_batch
+    )
+    batches = data_lib.Prefetcher(
+        data_lib.host_batches(data.train, sampler),
+        put=partial(jaxdist.shard_batch, mesh=mesh),
+        depth=config.data.prefetch,
+    )
     peak_lr = effective_lr(config.optim, cfg.global_batch_size)
     return Run(config, info, mesh, task, dp, dp.init_state(), data, batches, peak_lr)
+
+
+def load_data(config: Config, task: str, info: jaxdist.ProcessInfo) -> data_lib.Data:
+    """The train and held-out sources, with the checks that need their sizes."""
+    cfg = config.train
+    data = data_lib.build(config, task, progress=info.process_index == 0)
+    if cfg.eval_every and data.eval is None:
+        raise ConfigError(
+            f"--eval-every {cfg.eval_every}: {data.description} has no held-out "
+            "set; give one with --eval-data"
+        )
+    if len(data.train) < cfg.global_batch_size:
+        unit = f"windows of {config.model.seq_len + 1} tokens" if task == "lm" else "examples"
+        raise ConfigError(
+            f"--data {data.description}: {len(data.train)} {unit} are fewer than one global "
+            f"batch of {cfg.global_batch_size}"
+        )
+    return data
 
 
 def evaluate(run: Run, state) -> dict[str, float]:
