@@ -105,16 +105,17 @@ def measure_plain_jax(args, dims: dict, run: dict) -> dict:
     from flax import nnx
 
     import peer_plain_jax as plain
-    from jaxdist.models import build_model
+    from jaxdist.models import attention_kernel, build_model
 
     cfg = _config(args, dims, run, "").model
     model, _ = build_model(cfg, seed=0)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     n_params = sum(x.size for x in jax.tree.leaves(params))
-    from jaxdist.models import attention_kernel
-
-    kw = dict(n_heads=dims["n_heads"], dtype=getattr(jax.numpy, run["dtype"]))
-    step = plain.make_step(tx := plain.make_optimizer(3e-4), attention=attention_kernel(cfg), **kw)
+    tx = plain.make_optimizer(3e-4)
+    dtype = getattr(jax.numpy, run["dtype"])
+    step = plain.make_step(
+        tx, n_heads=dims["n_heads"], dtype=dtype, attention=attention_kernel(cfg)
+    )
     opt_state = tx.init(params)
     keys = jax.random.split(jax.random.key(0), 4)
     shape = (run["batch"], run["seq_len"] + 1)

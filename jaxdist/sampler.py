@@ -100,10 +100,6 @@ class DistributedSampler:
             )
         return self._orders[epoch]
 
-    def epoch(self, step: int) -> float:
-        """Epochs completed before ``step`` (fractional)."""
-        return step * self.global_batch_size / self.examples_per_epoch
-
     def global_indices(self, step: int) -> np.ndarray:
         """(G,) the indices of the whole global batch of ``step``, on every process."""
         return self._positions(step * self.global_batch_size, self.global_batch_size)

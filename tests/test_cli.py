@@ -150,24 +150,16 @@ def test_user_model_factory_from_outside_the_package(tmp_path):
         "def build(cfg, rngs):\n"
         "    return Linear(cfg, rngs)\n"
     )
-    proc = run_cli(
-        "--model",
-        "my_models:build",
-        "--cpu-devices",
-        "4",
-        "--steps",
-        "30",
-        "--lr",
-        "0.05",
-        "--log-every",
-        "10",
-        "--run-dir",
-        "out",
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = [json.loads(x) for x in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    lines = train_user_module(tmp_path, "--model", "my_models:build", "--lr", "0.05")
     assert lines[-1]["loss"] < lines[0]["loss"]
+
+
+def train_user_module(tmp_path, *args):
+    """30 steps on 4 devices from a module in ``tmp_path``; the metrics.jsonl records."""
+    run_args = ["--cpu-devices", "4", "--steps", "30", "--log-every", "10", "--run-dir", "out"]
+    proc = run_cli(*args, *run_args, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(x) for x in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
 
 
 USER_MODELS = """
@@ -236,27 +228,8 @@ def odd(cfg, rngs):
 @pytest.mark.parametrize("strategy", ["gspmd", "pmap"])
 def test_user_factory_and_custom_loss(tmp_path, factory, strategy):
     (tmp_path / "user_models.py").write_text(USER_MODELS)
-    proc = run_cli(
-        "--model",
-        f"user_models:{factory}",
-        "--loss",
-        "user_models:smooth_loss",
-        "--strategy",
-        strategy,
-        "--cpu-devices",
-        "4",
-        "--steps",
-        "30",
-        "--lr",
-        "0.02",
-        "--log-every",
-        "10",
-        "--run-dir",
-        "out",
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = [json.loads(x) for x in (tmp_path / "out/metrics.jsonl").read_text().splitlines()]
+    model = ["--model", f"user_models:{factory}", "--loss", "user_models:smooth_loss"]
+    lines = train_user_module(tmp_path, *model, "--strategy", strategy, "--lr", "0.02")
     assert "custom" in lines[0]  # the custom loss's aux metric is logged
     assert lines[-1]["loss"] < lines[0]["loss"]
 
