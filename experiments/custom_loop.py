@@ -55,6 +55,7 @@ def main(strategy: str, steps: int = 150, global_batch_size: int = 64) -> float:
     for step in range(steps):
         batch = jaxdist.shard_batch(synthetic_images(step, rows), mesh)
         state, metrics = dp.step(state, batch)
+        dp.check(metrics, step)  # a NaN loss or gradient raises, naming the parameter
         if step % 25 == 0 or step == steps - 1:
             jaxdist.print_main(f"step {step:4d}  loss {dp.metrics(metrics)['loss']:.3f}")
     model = dp.merge(state)  # eval mode: running BatchNorm statistics, no dropout

@@ -9,6 +9,7 @@ The public API (PyTorch names in brackets)::
     eval_sampler = jaxdist.EvalSampler(n, 256)        # every example once, padding masked
     batch = jaxdist.shard_batch(host_numpy_batch, mesh)
     state, metrics = dp.step(state, batch)
+    dp.check(metrics, step)                           # NaN / bad rows: raises (or skipped)
     jaxdist.mean_over_replicas(tree)                  # [all_reduce / world_size], in a step
     jaxdist.sum_over_replicas(tree)                   # [all_reduce], in a step
     jaxdist.barrier("name"); jaxdist.is_main_process(); jaxdist.print_main(...)
@@ -16,6 +17,7 @@ The public API (PyTorch names in brackets)::
 
 from jaxdist.adapt import as_nnx
 from jaxdist.errors import JaxdistError, ModelError
+from jaxdist.health import BadBatchError, NonFiniteError
 from jaxdist.parallel import DataParallel
 from jaxdist.process import ProcessInfo, barrier, initialize, is_main_process, print_main
 from jaxdist.replicas import mean_over_replicas, replica_index, step_key, sum_over_replicas
@@ -26,11 +28,13 @@ from jaxdist.step import TrainState
 __version__ = "0.1.0"
 
 __all__ = [
+    "BadBatchError",
     "DataParallel",
     "DistributedSampler",
     "EvalSampler",
     "JaxdistError",
     "ModelError",
+    "NonFiniteError",
     "ProcessInfo",
     "TrainState",
     "as_nnx",

@@ -32,8 +32,13 @@ class ModelConfig:
     name: str = field(default="mlp", metadata={"flag": "--model"})
     # what the model does, so which data and default loss: auto = gpt -> lm, else classify
     task: Literal["auto", "classify", "lm"] = "auto"
+    # a user factory's other parameters: "num_classes=10,widths=[64,64]" (YAML values)
+    model_args: str = ""
     # "" -> the task's default; or a user loss "package.module:function"
     loss: str = ""
+    # Linen: the __call__ argument that switches training mode; "" = detect train/training/
+    # deterministic/use_running_average; "!name": the argument is True in eval
+    linen_train_arg: str = ""
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
     # mlp: synthetic classification, inputs (B, in_features) -> (B, num_classes)
     in_features: int = 32
@@ -95,6 +100,11 @@ class TrainConfig:
     save_params: str = ""  # write the final params to this .npz (process 0)
     eval_every: int = 0  # run the held-out set every N steps and at the end; 0 = never
     eval_batch_size: int = 0  # global; 0 = global_batch_size
+    # a step whose loss or gradient is NaN/inf: halt (exit 1) or skip its update
+    nan_policy: Literal["halt", "skip"] = "halt"
+    # pmap/shard_map: a BatchNorm axis_name means the data axis (SyncBatchNorm); default:
+    # each device's rows
+    sync_batch_stats: bool = False
 
 
 @dataclass
@@ -226,6 +236,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {config.data.eval_fraction}")
     if config.optim.lr <= 0:
         raise ConfigError(f"optim.lr: must be > 0, got {config.optim.lr}")
+    from jaxdist.factories import parse_model_args  # here: it imports ConfigError from us
+
+    parse_model_args(config.model.model_args)  # bad syntax: exit 2 before anything runs
     if config.model.d_model % config.model.n_heads:
         raise ConfigError(
             f"model.d_model={config.model.d_model} is not divisible by "
@@ -247,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
         if typing.get_origin(typ) is Literal:
             kwargs["choices"] = typing.get_args(typ)
+        elif typ is bool:  # "--flag" alone means true; "--flag false" also works
+            kwargs.update(type=str, nargs="?", const="true")
         else:
             kwargs["type"] = typ if typ in (int, float) else str
         default = f.default if f.default is not dataclasses.MISSING else None

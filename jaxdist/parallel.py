@@ -11,37 +11,50 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxdist import strategies
-from jaxdist.adapt import as_nnx
+from jaxdist import axes, health, strategies
+from jaxdist.config import ConfigError
+from jaxdist.model_source import ModelSource
 from jaxdist.sharding import make_mesh
-from jaxdist.step import TrainState, init_state, make_eval_step, make_train_step
-from jaxdist.strategies import local_value
+from jaxdist.step import StepOptions, TrainState, make_eval_step, make_train_step
+from jaxdist.strategies import local_value, scalars
 
 
 class DataParallel:
     """Data-parallel training of one model over the ``data`` axis of a mesh.
 
     Args:
-      model: an ``nnx.Module``, or a ``linen.Module`` with ``example_input`` (bridged).
+      model: an ``nnx.Module``, a ``linen.Module`` (with ``example_input``), or a function
+        of no arguments returning either; a function is run inside ``jax.jit``, so the
+        state is created directly in its layout on the devices.
       optimizer: an optax ``GradientTransformation``.
-      loss_fn: ``loss_fn(model, batch, rngs) -> loss`` or ``(loss, aux_dict)``; the mean
-        over the rows it is given. ``rngs`` (optional argument) is an ``nnx.Rngs`` for the
-        step; the model's own RNG streams (e.g. ``nnx.Dropout(rngs=...)``) are reseeded
-        with the same key every step.
+      loss_fn: ``loss_fn(model, batch)`` -> ``loss`` or ``(loss, aux)``, the mean over the
+        rows it is given; with a parameter ``rngs`` (or a third positional one) it also
+        gets an ``nnx.Rngs`` for the step. Only a dict ``aux`` of scalars is reported.
       mesh: from ``make_mesh()``; default all devices.
       strategy: ``"gspmd"`` (default), ``"shard_map"`` or ``"pmap"``.
       grad_accum: microbatches per device per step.
-      seed: base of the per-step keys (``fold_in(key(seed), step)``).
+      seed: base of the per-step keys; the model's RNG streams are reseeded every step as
+        ``nnx.reseed`` does (see ``jaxdist.step``): each dropout layer its own mask.
       schedule: the optimizer's LR schedule, only to report ``lr`` in the metrics.
       eval_fn: ``eval_fn(model, batch) -> {name: (B,) per-example values}`` for
         ``evaluate``; e.g. ``jaxdist.losses.classification_eval``.
+      linen_train_arg: a Linen model's training flag, if not ``train``/``training``/
+        ``is_training``/``deterministic``/``use_running_average`` ("!name": True in eval).
+      sync_batch_stats: under pmap/shard_map, a model's axis name (``BatchNorm(
+        axis_name="batch")``) means the data axis (SyncBatchNorm); default: each device's
+        rows, as DDP. Under gspmd the statistics are always the global batch's.
+      nan_policy: ``"halt"``: ``check`` raises on a non-finite loss or gradient;
+        ``"skip"``: such a step leaves params, optimizer state and statistics unchanged.
+      batch_check: ``fn(batch) -> (B,) bool`` run on the devices in every step; a False
+        row makes ``check`` raise ``BadBatchError`` naming the step and the row.
 
     Example::
 
         dp = jaxdist.DataParallel(model, optax.adamw(1e-3), loss_fn, mesh=mesh)
         state = dp.init_state()
-        for host_batch in loader:                      # this process's rows, numpy
+        for step, host_batch in enumerate(loader, 1):  # this process's rows, numpy
             state, metrics = dp.step(state, jaxdist.shard_batch(host_batch, mesh))
+            dp.check(metrics, step)                    # NaN, bad rows: raises
         trained = dp.merge(state)                      # an nnx.Module in eval mode
     """
 
@@ -58,42 +71,64 @@ class DataParallel:
         schedule: optax.Schedule | None = None,
         example_input=None,
         eval_fn: Callable | None = None,
+        linen_train_arg: str | None = None,
+        sync_batch_stats: bool = False,
+        nan_policy: str = "halt",
+        batch_check: Callable | None = None,
     ):
-        model = as_nnx(model, example_input, seed=seed)
-        model.train()  # dropout on, BatchNorm uses batch statistics
+        if nan_policy not in health.POLICIES:
+            raise ConfigError(f"nan_policy: {nan_policy!r} is not one of halt, skip")
         self.mesh = make_mesh() if mesh is None else mesh
         self.strategy = strategy
-        self.graphdef, self._host_state = init_state(model, optimizer)
-        train_step = make_train_step(
-            self.graphdef, loss_fn, optimizer, grad_accum=grad_accum, seed=seed, schedule=schedule
+        self.layout = strategies.layout(strategy, self.mesh)
+        self.nan_policy = nan_policy
+        self.sync_batch_stats = sync_batch_stats
+        self.axis_bindings: dict[str, str] = {}  # the model's axis names -> what they mean
+        self._source = ModelSource(
+            model, optimizer, self.layout, example_input, seed=seed, linen_train_arg=linen_train_arg
         )
-        eval_step = make_eval_step(self.graphdef, eval_fn or _no_eval_fn)
-        self._wired = strategies.wire(strategy, train_step, eval_step, self.mesh)
+        self.graphdef = self._source.eval_graphdef  # merge() builds eval-mode models
+        self._loss_fn, self._eval_fn, self._tx = loss_fn, eval_fn or _no_eval_fn, optimizer
+        self._options = StepOptions(grad_accum, seed, schedule, nan_policy, batch_check)
+        self._wired: strategies.Wired | None = None  # on first use: needs the batch shapes
 
     def init_state(self) -> TrainState:
-        """The initial state on the devices, in this strategy's layout."""
-        return self._wired.put_state(self._host_state)
+        """The initial state on the devices, in this strategy's layout: made by one compiled
+        program, so no device holds more than its copy. The model passed in is untouched."""
+        return self._source.init_state()
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One optimizer step on a global batch from ``shard_batch``. Donates ``state``."""
-        return self._wired.step(state, batch)
+        return self._wire(batch).step(state, batch)
+
+    def check(self, metrics, step: int) -> bool:
+        """Reads the step's health (a few scalars): raises ``NonFiniteError`` (NaN or inf
+        loss or gradient, ``nan_policy="halt"``) or ``BadBatchError`` (``batch_check``);
+        returns True when the update was skipped (``nan_policy="skip"``)."""
+        names = (health.NONFINITE, health.NONFINITE_LEAF, health.BAD_ROW, "loss", "grad_norm")
+        values = scalars({k: metrics[k] for k in names if k in metrics})
+        return health.check(values, step, self._source.leaf_paths, self.nan_policy)
 
     def evaluate(self, state: TrainState, batch) -> dict[str, float]:
         """Sums of ``eval_fn``'s per-example values over the rows of a global batch whose
         ``mask`` (from ``EvalSampler``) is 1, and ``count``, the number of such rows."""
-        return self._wired.get_metrics(self._wired.evaluate(state, batch))
+        return scalars(self._wire(batch).evaluate(state, batch))
 
     def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
         """The lowered step, e.g. ``dp.lower(state, batch).compile().as_text()``."""
-        return self._wired.lower(state, batch)
+        return self._wire(batch).lower(state, batch)
+
+    def lower_init(self) -> jax.stages.Lowered:
+        """The lowered ``init_state`` program, e.g. for its ``memory_analysis()``."""
+        return self._source.lower_init()
 
     def unreplicate(self, state: TrainState) -> TrainState:
         """One copy of the state (pmap keeps one per device)."""
-        return self._wired.get_state(state)
+        return self.layout.one_copy(state)
 
     def metrics(self, metrics) -> dict[str, float]:
         """Device metrics -> Python floats (waits for the step to finish)."""
-        return self._wired.get_metrics(metrics)
+        return scalars({k: v for k, v in metrics.items() if not k.startswith("health/")})
 
     def host_params(self, state: TrainState) -> dict[str, np.ndarray]:
         """The parameters as numpy on this host, keyed by path ("layers/0/kernel")."""
@@ -101,11 +136,45 @@ class DataParallel:
         return {"/".join(map(str, path)): local_value(var.get_value()) for path, var in flat}
 
     def merge(self, state: TrainState) -> nnx.Module:
-        """The trained model as an ``nnx.Module`` in eval mode."""
+        """The trained model as an ``nnx.Module`` in eval mode (dropout off, running
+        statistics used and never updated, Linen models called with their eval flag)."""
         one = self.unreplicate(state)
-        model = nnx.merge(self.graphdef, one.params, one.batch_stats, one.rng_state)
-        model.eval()
-        return model
+        return nnx.merge(self.graphdef, one.params, one.batch_stats, one.rng_state)
+
+    def _wire(self, batch) -> strategies.Wired:
+        if self._wired is None:
+            self._wired = self._build_steps(batch)
+        return self._wired
+
+    def _build_steps(self, batch) -> strategies.Wired:
+        """Finds the model's axis names on the first batch, then builds and wires the steps."""
+        names = axes.names_used(
+            self._source.abstract_loss(self._loss_fn),
+            *self._source.abstract_args(self._example_rows(batch)),
+        )
+        axis_name, trivial, self.axis_bindings = axes.plan(
+            names, self.strategy, self.sync_batch_stats
+        )
+        if self.axis_bindings and jax.process_index() == 0:
+            bound = "; ".join(f"{n!r} -> {what}" for n, what in self.axis_bindings.items())
+            print(f"jaxdist: the model's axis names: {bound}", flush=True)
+        options = StepOptions(
+            **{**vars(self._options), "axis_name": axis_name, "trivial_axes": tuple(trivial)}
+        )
+        train_step = make_train_step(self._source.train_graphdef, self._loss_fn, self._tx, options)
+        eval_step = make_eval_step(self._source.eval_graphdef, self._eval_fn, options)
+        return strategies.wire(self.strategy, train_step, eval_step, self.mesh, axis_name)
+
+    def _example_rows(self, batch):
+        """Abstract rows as one loss call sees them: per device (pmap, shard_map) and per
+        microbatch, e.g. global (64, T) on 8 devices with grad-accum 2 -> (4, T)."""
+        per_call = self.mesh.size if self.strategy in ("pmap", "shard_map") else 1
+        per_call *= self._options.grad_accum
+        if isinstance(batch, dict):
+            batch = {k: v for k, v in batch.items() if k != "mask"}
+        return jax.tree.map(
+            lambda v: jax.ShapeDtypeStruct((v.shape[0] // per_call, *v.shape[1:]), v.dtype), batch
+        )
 
 
 def _no_eval_fn(model, batch):

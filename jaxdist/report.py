@@ -1,11 +1,13 @@
 """What a run shows and writes: metrics.jsonl, a progress bar on a terminal (plain log
-lines otherwise), and a final summary. Only the main process writes or prints."""
+lines otherwise), and a final summary. Only the main process writes or prints; the
+metrics file is opened at the first logged step (the first step is always logged)."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -20,6 +22,8 @@ def _fmt(metrics: dict) -> str:
         parts.append(f"{metrics['samples_per_s']:,.0f} samples/s")
     if "data_wait_frac" in metrics:
         parts.append(f"data wait {metrics['data_wait_frac']:.0%}")
+    if metrics.get("skipped_steps"):
+        parts.append(f"skipped {metrics['skipped_steps']}")
     for name, fmt in [("eval_loss", ".4f"), ("eval_bpb", ".3f"), ("eval_accuracy", ".3f")]:
         if name in metrics:
             parts.append(f"{name} {metrics[name]:{fmt}}")
@@ -27,15 +31,18 @@ def _fmt(metrics: dict) -> str:
 
 
 class Reporter:
-    def __init__(self, run_dir: Path | None, total_steps: int, is_main: bool):
-        self.is_main = is_main
+    """``open_metrics()`` makes the run directory and returns the metrics file's path; it
+    is called at the first ``log`` (None: write no files, e.g. on processes other than 0).
+    ``show``: print progress and lines (the main process, unless quiet)."""
+
+    def __init__(self, open_metrics: Callable[[], Path] | None, total_steps: int, show: bool):
+        self.show = show
         self.total_steps = total_steps
+        self.open_metrics = open_metrics
         self.metrics_file = None
-        if is_main and run_dir is not None:
-            self.metrics_file = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         self.progress = None
         self.started = time.perf_counter()
-        if is_main and sys.stdout.isatty():
+        if show and sys.stdout.isatty():
             self.progress = Progress(
                 TextColumn("[bold]train"),
                 BarColumn(bar_width=20),
@@ -49,7 +56,7 @@ class Reporter:
             self.progress.start()
 
     def print(self, *args) -> None:
-        if not self.is_main:
+        if not self.show:
             return
         if self.progress is not None:
             self.progress.console.print(*args, highlight=False)
@@ -57,10 +64,13 @@ class Reporter:
             print(*args, flush=True)
 
     def log(self, metrics: dict) -> None:
-        if not self.is_main:
-            return
+        if self.open_metrics is not None:  # the first step trained: now files may exist
+            self.metrics_file = open(self.open_metrics(), "a", buffering=1)  # noqa: SIM115
+            self.open_metrics = None
         if self.metrics_file is not None:
             self.metrics_file.write(json.dumps(metrics) + "\n")
+        if not self.show:
+            return
         step = metrics["step"]
         if self.progress is not None:
             self.progress.update(self.task, completed=step, info=_fmt(metrics))

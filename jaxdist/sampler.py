@@ -40,7 +40,10 @@ class DistributedSampler:
     ``last_batch="drop"`` (default) drops each epoch's last partial global batch, so an
     epoch is ``num_examples // G`` steps. ``"wrap"`` reads the epochs' orders as one
     stream: a batch that crosses the end of an epoch takes its remaining rows from the
-    next epoch's order, and nothing is dropped.
+    next epoch's order, and nothing is dropped. That order's first G positions are then
+    rearranged (stably) so that the rows it gives that batch are none of the examples the
+    batch already has: no global batch holds an example twice, and each epoch's order is
+    still a permutation, so every example is read exactly once per epoch.
 
     Example::
 
@@ -89,16 +92,67 @@ class DistributedSampler:
         return self.examples_per_epoch / self.global_batch_size
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """(num_examples,) example indices in the order of ``epoch``."""
+        """(num_examples,) example indices in the order of ``epoch``: a permutation from
+        (seed, epoch), with ``wrap`` its first positions rearranged as the class says.
+        A dataset of fewer than two global batches may make an epoch's last rows depend
+        on that rearrangement; those epochs are computed from the nearest one that does
+        not (at most G epochs back), so the order still depends on the epoch alone."""
         if epoch not in self._orders:
+            first = epoch
+            while first > 0 and not self._tail_known(first - 1):
+                first -= 1
+            tail = self._known_tail(first - 1)
+            for e in range(first, epoch + 1):
+                order = self._arranged(e, tail)
+                tail = order[self.num_examples - self._overhang(e) :]
             if len(self._orders) >= 2:
                 del self._orders[min(self._orders)]
-            self._orders[epoch] = (
-                np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
-                if self.shuffle
-                else np.arange(self.num_examples)
-            )
+            self._orders[epoch] = order
         return self._orders[epoch]
+
+    def _raw_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_examples)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+
+    def _overhang(self, epoch: int) -> int:
+        """How many of ``epoch``'s last positions share a global batch with the next
+        epoch's first ones (``wrap``; 0 when the epoch ends on a batch boundary)."""
+        if self.last_batch == "drop" or epoch < 0:
+            return 0
+        return self.num_examples * (epoch + 1) % self.global_batch_size
+
+    def _arranged(self, epoch: int, head: np.ndarray) -> np.ndarray:
+        """The raw order of ``epoch`` with its first G positions rearranged so that the
+        first G - len(head) are none of ``head`` (the previous epoch's overhang, in the
+        same batch); the others follow in their raw order. Among G positions at most
+        len(head) are in ``head``, so there are enough."""
+        raw = self._raw_order(epoch)
+        if not len(head):
+            return raw
+        g = self.global_batch_size
+        window = raw[:g]
+        firsts = np.flatnonzero(~np.isin(window, head))[: g - len(head)]
+        later = np.ones(len(window), bool)
+        later[firsts] = False
+        return np.concatenate([window[firsts], window[later], raw[g:]])
+
+    def _tail_known(self, epoch: int) -> bool:
+        """Whether ``epoch``'s overhang is known without computing earlier epochs: its
+        order is cached, or is the raw one past the first G positions."""
+        n, g = self.num_examples, self.global_batch_size
+        return (
+            epoch in self._orders
+            or self._overhang(epoch - 1) == 0
+            or (n - self._overhang(epoch) >= g)
+        )
+
+    def _known_tail(self, epoch: int) -> np.ndarray:
+        """``epoch``'s overhang, when ``_tail_known(epoch)``; empty before epoch 0."""
+        start = self.num_examples - self._overhang(epoch)
+        if epoch in self._orders:
+            return self._orders[epoch][start:]
+        return self._raw_order(epoch)[start:] if epoch >= 0 else np.zeros(0, np.int64)
 
     def global_indices(self, step: int) -> np.ndarray:
         """(G,) the indices of the whole global batch of ``step``, on every process."""

@@ -2,25 +2,33 @@
 
 ``train_step(state, batch) -> (state, metrics)`` sees the rows of one replica (pmap,
 shard_map) or the whole global batch (gspmd). Cross-replica averaging goes through
-``mean_over_replicas``, which is ``lax.pmean`` over ``data`` in the first two and the
-identity under gspmd (where the loss is already the global mean and XLA inserts the
+``mean_over_replicas``, which is ``lax.pmean`` over the data axis in the first two and
+the identity under gspmd (where the loss is already the global mean and XLA inserts the
 all-reduce of the gradient).
+
+RNG contract: at optimizer step k, the key is ``fold_in(key(seed), k)`` (then
+``fold_in(.., d)`` on device d under pmap/shard_map, and ``fold_in(.., i)`` for
+microbatch i with grad-accum), and the model sees what flax's own
+``nnx.reseed(model, **{stream: key for each RNG stream})`` gives: every stream restarts
+from that key, and streams of one name (e.g. several ``nnx.Dropout`` layers) get
+``fold_in(key, 0)``, ``fold_in(key, 1)``, ... in graph order, so their masks differ.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxdist.adapt import split_model
-from jaxdist.errors import ModelError
+from jaxdist import health
+from jaxdist.axes import bind_trivially
+from jaxdist.loss_call import normalize_loss_fn
 from jaxdist.replicas import mean_over_replicas, step_key, sum_over_replicas
+from jaxdist.sharding import DATA
 
 
 @jax.tree_util.register_dataclass
@@ -33,10 +41,21 @@ class TrainState:
     opt_state: optax.OptState
 
 
-def init_state(model: nnx.Module, tx: optax.GradientTransformation):
-    graphdef, params, stats, rngs = split_model(model)
-    state = TrainState(jnp.zeros((), jnp.int32), params, stats, rngs, tx.init(params))
-    return graphdef, state
+def new_state(params, stats, rngs, tx: optax.GradientTransformation) -> TrainState:
+    return TrainState(jnp.zeros((), jnp.int32), params, stats, rngs, tx.init(params))
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How the step is built; everything but the model, loss and optimizer."""
+
+    grad_accum: int = 1
+    seed: int = 0
+    schedule: optax.Schedule | None = None
+    nan_policy: str = "halt"  # "halt": report, the loop stops; "skip": keep the old state
+    batch_check: Callable | None = None  # batch -> (B,) bool, True for a valid row
+    axis_name: str = DATA  # the per-device data axis under pmap/shard_map
+    trivial_axes: tuple[str, ...] = field(default=())  # model axis names bound to size 1
 
 
 def split_microbatches(batch, k: int):
@@ -52,123 +71,105 @@ def split_microbatches(batch, k: int):
     return jax.tree.map(split, batch)
 
 
-def normalize_loss_fn(loss_fn: Callable) -> Callable:
-    """``loss_fn(model, batch[, rngs]) -> loss | (loss, aux)`` as ``(model, batch, rngs)
-    -> (loss, aux)``, checking that the loss is a scalar."""
-    try:
-        takes_rngs = len(inspect.signature(loss_fn).parameters) >= 3
-    except (TypeError, ValueError):
-        takes_rngs = True
-    name = getattr(loss_fn, "__name__", repr(loss_fn))
-
-    def call(model, batch, rngs):
-        out = loss_fn(model, batch, rngs) if takes_rngs else loss_fn(model, batch)
-        loss, aux = out if isinstance(out, tuple) else (out, {})
-        if jnp.shape(loss) != ():
-            raise ModelError(
-                f"loss function {name} must return a scalar loss (or (loss, aux)), "
-                f"got an array of shape {jnp.shape(loss)}; take the mean over the batch"
-            )
-        return loss, aux
-
-    return call
+def reseeded(graphdef: nnx.GraphDef, state: TrainState, key: jax.Array) -> nnx.State:
+    """The model's RNG state after flax's ``nnx.reseed`` of every stream with ``key``.
+    Done on a merged copy, outside ``jax.grad`` (NNX forbids mutating a stream there)."""
+    model = nnx.merge(graphdef, state.params, state.batch_stats, state.rng_state, copy=True)
+    tags = {var.tag for _, var in nnx.to_flat_state(state.rng_state)}
+    if tags:
+        nnx.reseed(model, policy="match_shape", **dict.fromkeys(tags, key))
+    return nnx.state(model, nnx.RngState)
 
 
-def reseeded(rng_state: nnx.State, key: jax.Array) -> nnx.State:
-    """Every RNG stream of the model restarts from ``key`` (count 0) for this step, as
-    ``nnx.reseed(model, **{stream: key})`` would; done on the state, before merging,
-    because NNX forbids mutating a stream from inside ``jax.grad``."""
-
-    def reset(var):
-        if isinstance(var, nnx.RngKey):  # nnx.reseed stores Rngs(key)() = fold_in(key, 0)
-            return var.replace(jax.random.fold_in(key, 0))
-        if isinstance(var, nnx.RngCount):
-            return var.replace(jnp.zeros_like(var.get_value()))
-        return var
-
-    return jax.tree.map(reset, rng_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def make_train_step(
-    graphdef: nnx.GraphDef,
-    loss_fn: Callable,
-    tx: optax.GradientTransformation,
-    *,
-    grad_accum: int = 1,
-    seed: int = 0,
-    schedule: optax.Schedule | None = None,
-):
+def make_loss(graphdef: nnx.GraphDef, loss_fn: Callable, trivial_axes=()) -> Callable:
+    """``(params, stats, rng_state, batch, key) -> (loss, (metrics, new_stats))``: pure,
+    the model merged inside, its own axis names bound (see ``jaxdist.axes``)."""
     loss_fn = normalize_loss_fn(loss_fn)
 
     def loss_of(params, stats, rng_state, batch, key):
         # copy=True: fresh Variables at this trace level, so BatchNorm may update them
         # inside jax.grad (sharing the caller's Variables raises TraceContextError).
-        model = nnx.merge(graphdef, params, stats, reseeded(rng_state, key), copy=True)
-        loss, aux = loss_fn(model, batch, nnx.Rngs(key))
-        return loss, (aux, nnx.state(model, nnx.BatchStat))
+        model = nnx.merge(graphdef, params, stats, rng_state, copy=True)
+        loss, metrics = loss_fn(model, batch, nnx.Rngs(key))
+        return loss, (metrics, nnx.state(model, nnx.BatchStat))
 
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    return bind_trivially(loss_of, trivial_axes)
+
+
+def make_train_step(graphdef, loss_fn: Callable, tx, options: StepOptions = StepOptions()):
+    o = options
+    grad_fn = jax.value_and_grad(make_loss(graphdef, loss_fn, o.trivial_axes), has_aux=True)
+
+    def grads_at(state, stats, batch, key):
+        rng_state = reseeded(graphdef, state, key)
+        (loss, (metrics, stats)), grads = grad_fn(state.params, stats, rng_state, batch, key)
+        return loss, metrics, stats, grads
 
     def grads_and_loss(state, batch, key):
-        if grad_accum == 1:
-            (loss, (aux, stats)), grads = grad_fn(
-                state.params, state.batch_stats, state.rng_state, batch, key
-            )
-            return loss, aux, stats, grads
+        if o.grad_accum == 1:
+            return grads_at(state, state.batch_stats, batch, key)
 
         def one(carry, index_and_mb):  # adds one microbatch's grads; stats carried in order
             stats, total = carry
             index, mb = index_and_mb
-            (loss, (aux, stats)), grads = grad_fn(
-                state.params, stats, state.rng_state, mb, jax.random.fold_in(key, index)
-            )
-            return (stats, jax.tree.map(jnp.add, total, (loss, aux, grads))), None
+            loss, metrics, stats, grads = grads_at(state, stats, mb, jax.random.fold_in(key, index))
+            return (stats, jax.tree.map(jnp.add, total, (loss, metrics, grads))), None
 
-        micro = split_microbatches(batch, grad_accum)
+        micro = split_microbatches(batch, o.grad_accum)
         first = jax.tree.map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(
-            grad_fn, state.params, state.batch_stats, state.rng_state, first, key
-        )
-        (loss, (aux, _)), grads = shapes
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss, aux, grads))
+        loss, metrics, _, grads = jax.eval_shape(grads_at, state, state.batch_stats, first, key)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss, metrics, grads))
         (stats, total), _ = jax.lax.scan(
-            one, (state.batch_stats, zeros), (jnp.arange(grad_accum), micro)
+            one, (state.batch_stats, zeros), (jnp.arange(o.grad_accum), micro)
         )
         # Equal-size microbatches: the mean of their means is the mean over the batch.
-        loss, aux, grads = jax.tree.map(lambda x: x / grad_accum, total)
-        return loss, aux, stats, grads
+        loss, metrics, grads = jax.tree.map(lambda x: x / o.grad_accum, total)
+        return loss, metrics, stats, grads
 
     def train_step(state: TrainState, batch):
-        key = step_key(seed, state.step)
-        loss, aux, stats, grads = grads_and_loss(state, batch, key)
+        key = step_key(o.seed, state.step, o.axis_name)
+        loss, metrics, stats, grads = grads_and_loss(state, batch, key)
         # Replicas agree on the global-batch gradient; running statistics are averaged too.
-        loss, aux, stats, grads = mean_over_replicas((loss, aux, stats, grads))
+        loss, metrics, stats, grads = mean_over_replicas((loss, metrics, stats, grads), o.axis_name)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-        if schedule is not None:
-            metrics["lr"] = schedule(state.step)
-        if isinstance(aux, dict):
-            metrics.update(aux)
+        grad_norm, status = health.grad_norm_and_health(loss, grads)
+        if o.nan_policy == "skip":  # a non-finite step leaves the state as it was
+            finite = status[health.NONFINITE] == 0
+            params, opt_state, stats = health.keep_if(
+                finite,
+                (params, opt_state, stats),
+                (state.params, state.opt_state, state.batch_stats),
+            )
+        if o.batch_check is not None:
+            status.update(health.first_bad_row(batch, o.batch_check, o.axis_name))
+        metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, **status}
+        if o.schedule is not None:
+            metrics["lr"] = o.schedule(state.step)
         new_state = TrainState(state.step + 1, params, stats, state.rng_state, opt_state)
         return new_state, metrics
 
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, eval_fn: Callable):
+def make_eval_step(graphdef: nnx.GraphDef, eval_fn: Callable, options: StepOptions):
     """``eval_step(state, batch) -> sums``: ``eval_fn(model, batch) -> {name: (B,)}``
     per-example values, summed with ``batch["mask"]`` as weights (0 on padding rows), plus
     ``count`` = the number of real rows; summed over replicas. Means are sums / count, so
-    padding never counts, whatever the device count."""
+    padding never counts, whatever the device count. ``graphdef`` is in eval mode."""
+
+    def per_example(params, stats, rng_state, batch):
+        model = nnx.merge(graphdef, params, stats, rng_state, copy=True)
+        return eval_fn(model, batch)
+
+    per_example = bind_trivially(per_example, options.trivial_axes)
 
     def eval_step(state: TrainState, batch):
-        model = nnx.merge(graphdef, state.params, state.batch_stats, state.rng_state, copy=True)
-        model.eval()  # dropout off, BatchNorm on running statistics
         mask = batch["mask"]  # (B,) 1.0 real, 0.0 padding
-        per_example = eval_fn(model, {k: v for k, v in batch.items() if k != "mask"})
-        sums = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in per_example.items()}
+        rows = {k: v for k, v in batch.items() if k != "mask"}
+        values = per_example(state.params, state.batch_stats, state.rng_state, rows)
+        sums = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in values.items()}
         sums["count"] = jnp.sum(mask)
-        return sum_over_replicas(sums)
+        return sum_over_replicas(sums, options.axis_name)
 
     return eval_step

@@ -7,7 +7,8 @@ import json
 import pytest
 import yaml
 
-from helpers import run_cli
+from helpers import run_cli, small_config
+from jaxdist.train import train
 
 TINY = ["--model.in_features", "12", "--hidden", "24"]
 
@@ -38,11 +39,13 @@ def test_run_writes_config_and_metrics_and_learns(tmp_path):
     assert config["train"]["global_batch_size"] == 32
     assert config["model"]["hidden"] == 24
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [10, 20, 30, 40, 50, 60]
+    assert [x["step"] for x in lines] == [1, 10, 20, 30, 40, 50, 60]  # the first step too
     for key in ("loss", "lr", "grad_norm", "step_time_s", "samples_per_s"):
         assert all(isinstance(x[key], float) for x in lines), key
+    assert all(x["skipped_steps"] == 0 for x in lines)
     assert lines[-1]["loss"] < 0.7 * lines[0]["loss"]
     assert "done: 60 steps" in proc.stdout
+    assert f"loss {lines[0]['loss']:.4f} -> {lines[-1]['loss']:.4f}" in proc.stdout
 
 
 def test_gpt_logs_tokens_per_second(tmp_path):
@@ -83,6 +86,13 @@ def test_yaml_config_with_cli_override(tmp_path):
     assert saved["optim"]["lr"] == 0.01
 
 
+def test_summary_starts_from_the_first_step_when_only_the_last_is_logged(capsys):
+    run = train(small_config(steps=3, log_every=3, num_devices=2), write=False)
+    first, last = (h["loss"] for h in run.history)
+    assert [h["step"] for h in run.history] == [1, 3] and first != last
+    assert f"loss {first:.4f} -> {last:.4f}; skipped_steps 0" in capsys.readouterr().out
+
+
 def test_linear_lr_scaling_is_printed(tmp_path):
     proc = run_cli(
         "--cpu-devices",
@@ -114,7 +124,8 @@ def test_linear_lr_scaling_is_printed(tmp_path):
         (["--cpu-devices", "2", "--num-devices", "4"], ["4 devices requested", "only 2"]),
         (["--model", "no_such_pkg.models:build"], ["no_such_pkg", "cannot import"]),
         (["--model", "json:nothing_here"], ["has no attribute", "nothing_here"]),
-        (["--model", "builtins:repr"], ["expected a flax.nnx.Module", "got str"]),
+        (["--model", "builtins:repr"], ["repr needs parameter 'obj'", "repr(obj, /)"]),
+        (["--model", "builtins:dict"], ["expected a flax.nnx.Module", "got dict"]),
         (["--optimizer", "lamb"], ["lamb", "adamw", "sgd"]),
         (["--steps", "0"], ["train.steps", ">= 1"]),
         (["--steps", "ten"], ["--steps", "invalid int value"]),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import queue
+import sys
+import threading
 import time
 
 import numpy as np
@@ -131,24 +134,71 @@ def test_eval_counts_1001_examples_once_and_matches_the_plain_mean(strategy, num
 
 
 def test_prefetcher_keeps_two_batches_ready_and_reports_waits():
-    made = []
+    """Counts and order, no latency bound: the producer runs ahead by exactly depth ready
+    batches plus one in the making, never further; batches come out in order, as put made
+    them; a wait is reported, and is at least as long as the producer was held up."""
+    depth, asked = 2, [0]  # asked: the consumer's next() calls so far
+    made, progress = [], threading.Condition()
 
     def put(batch):
-        made.append(batch)
-        return batch
+        with progress:
+            made.append((batch, asked[0]))  # which batch, and how many the consumer took
+            progress.notify_all()
+        return {"device": batch}
 
-    fetch = Prefetcher(iter(range(100)), put, depth=2)
-    first, _ = next(fetch)
-    time.sleep(0.5)  # a slow step: the producer fills the queue meanwhile
-    assert first == 0 and len(made) >= 3  # the one taken, two ready, (one in the making)
-    _, wait_s = next(fetch)
-    assert wait_s < 0.05  # it was ready
+    fetch = Prefetcher(iter(range(50)), put, depth=depth)
+    with progress:  # before the consumer asks: depth ready + one in the making
+        assert progress.wait_for(lambda: len(made) >= depth + 1, timeout=10)
+    time.sleep(0.2)  # room to overrun; a bounded producer stays where it is
+    assert [b for b, _ in made] == [0, 1, 2]
+    got = []
+    for _ in range(50):
+        asked[0] += 1
+        batch, wait_s = next(fetch)
+        got.append(batch)
+        assert wait_s >= 0
+    assert got == [{"device": i} for i in range(50)]  # in order, what put returned
+    with pytest.raises(StopIteration):  # a finite source ends the iteration
+        next(fetch)
+    assert [b for b, _ in made] == list(range(50))  # each batch made once
+    # Batch n is made only once batch n - depth - 1 was taken: the queue holds depth.
+    assert all(taken >= n - depth for n, taken in made)
+    fetch._thread.join(timeout=5)
+    assert not fetch._thread.is_alive()
     fetch.close()
 
-    slow = Prefetcher((time.sleep(0.2) or i for i in range(3)), lambda b: b, depth=2)
-    _, wait_s = next(slow)
-    assert wait_s > 0.1  # nothing ready: the wait is measured
-    assert [b for b, _ in slow] == [1, 2]  # a finite source ends the iteration
+    # A producer held up: the consumer waits, and wait_s covers at least the hold-up.
+    hold_s, release, consumer = 0.3, threading.Event(), threading.get_ident()
+
+    def held():
+        release.wait()
+        yield from range(3)
+
+    def consumer_is_blocked_in_next() -> bool:
+        frame = sys._current_frames().get(consumer)
+        innermost, names = frame, []
+        while frame is not None:
+            names.append(frame.f_code.co_name)
+            frame = frame.f_back
+        blocking = (threading.__file__, queue.__file__)
+        return "__next__" in names and innermost.f_code.co_filename in blocking
+
+    def release_once_the_consumer_blocks():
+        # The consumer's clock starts in Prefetcher.__next__ before it blocks on the queue;
+        # the hold-up starts only once it is blocked there (10 s: give up, release anyway).
+        deadline = time.monotonic() + 10
+        while not consumer_is_blocked_in_next() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(hold_s)
+        release.set()
+
+    slow = Prefetcher(held(), lambda b: b, depth=depth)
+    releaser = threading.Thread(target=release_once_the_consumer_blocks, daemon=True)
+    releaser.start()
+    first, wait_s = next(slow)
+    assert first == 0 and wait_s >= hold_s
+    assert [b for b, _ in slow] == [1, 2]
+    releaser.join(timeout=5)
     slow.close()
 
 

@@ -112,6 +112,58 @@ def test_npz_classification_with_1001_held_out_examples(tmp_path):
         np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
 
 
+def test_npz_batches_keep_the_arrays_names(tmp_path):
+    """A loss written as batch["image"], batch["label"] (and any other array of as many
+    rows) works; --npz-inputs/--npz-labels name what the model's example input and the
+    default evaluation read. The loss returns (loss, logits), as flax's examples do."""
+    rng = np.random.default_rng(3)
+    for name, n in [("train", 256), ("eval", 100)]:
+        image = rng.normal(size=(n, 3, 2)).astype(np.float32)
+        np.savez(
+            tmp_path / f"{name}.npz",
+            image=image,
+            label=(image[:, 0, 0] > 0).astype(np.int64),
+            weight=np.ones(n),
+            classes=np.array(["no", "yes"]),  # not rows: left out of the batches
+        )
+    (tmp_path / "named.py").write_text(
+        textwrap.dedent(
+            """
+            import optax
+            from flax import linen
+
+            class Net(linen.Module):  # Linen: initialised on the batch's "image"
+                @linen.compact
+                def __call__(self, image):
+                    return linen.Dense(2)(image.reshape(len(image), -1))
+
+            def net(rngs):
+                return Net()
+
+            def loss(model, batch):
+                assert set(batch) == {"image", "label", "weight"}, set(batch)
+                logits = model(batch["image"])
+                losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+                return (losses * batch["weight"]).mean(), logits
+            """
+        )
+    )
+    proc = run_cli(
+        *["--model", "named:net", "--loss", "named:loss", "--num-classes", "2"],
+        *["--data", "train.npz", "--eval-data", "eval.npz", "--eval-every", "4"],
+        *["--npz-inputs", "image", "--npz-labels", "label", "--steps", "4"],
+        *["--global-batch-size", "32", "--cpu-devices", "2", "--run-dir", "run"],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    last = records(tmp_path / "run")[-1]
+    assert last["eval_count"] == 100 and 0 <= last["eval_accuracy"] <= 1
+    # the logits are not metrics: only the trainer's own names are logged
+    logged = {"loss", "lr", "grad_norm", "step", "step_time_s", "samples_per_s"}
+    logged |= {"skipped_steps", "data_wait_s", "data_wait_frac"}
+    assert set(last) == logged | {"eval_loss", "eval_accuracy", "eval_count"}
+
+
 def test_user_data_source(tmp_path):
     (tmp_path / "my_data.py").write_text(
         textwrap.dedent(

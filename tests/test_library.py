@@ -123,31 +123,71 @@ def test_replicas_agree_and_average_their_statistics(kind, strategy):
 
 @pytest.mark.parametrize("strategy", ["pmap", "shard_map", "gspmd"])
 def test_mean_over_replicas_in_a_hand_written_step(strategy):
+    """A hand-written step (local grads, then mean_over_replicas) and DataParallel's own
+    step both give the global-batch gradient, checked against float64 numpy: for the loss
+    mean((x @ w)^2) it is 2 x^T (x w) / B, no jax involved."""
     mesh = jaxdist.make_mesh(data=DEVICES)
     w = np.linspace(-1, 1, 6, dtype=np.float32)
     batch = {"x": np.random.default_rng(0).normal(size=(16, 6)).astype(np.float32)}
+    x64 = batch["x"].astype(np.float64)
+    want = 2 * x64.T @ (x64 @ w.astype(np.float64)) / len(x64)
+    # every replica sees G/N rows under pmap and shard_map, the global batch under gspmd
+    rows_seen = 16 if strategy == "gspmd" else 16 // DEVICES
 
     def loss(w, b):
+        assert b["x"].shape == (rows_seen, 6)  # at trace time
         return ((b["x"] @ w) ** 2).mean()
 
     def step(w, b):  # what a user writes: local grads, then the average over replicas
         return jaxdist.mean_over_replicas(jax.grad(loss)(w, b))
 
-    want = jax.grad(loss)(w, batch)
     sharded = jaxdist.shard_batch(batch, mesh)
+    P = jax.sharding.PartitionSpec
     if strategy == "pmap":
         rows = jax.tree.map(lambda x: x.reshape(DEVICES, -1, *x.shape[1:]), batch)
-        got = jax.pmap(step, axis_name="data", in_axes=(None, 0))(w, rows)[0]
+        copies = jax.pmap(step, axis_name="data", in_axes=(None, 0))(w, rows)
     elif strategy == "shard_map":
-        P = jax.sharding.PartitionSpec
-        got = jax.jit(
-            jax.shard_map(
-                step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False
-            )
-        )(w, sharded)
+        per_device = jax.shard_map(
+            lambda w, b: step(w, b)[None],  # every device's own result, stacked
+            mesh=mesh,
+            in_specs=(P(), P("data")),
+            out_specs=P("data"),
+            check_vma=False,
+        )
+        copies = jax.jit(per_device)(w, sharded)
     else:
-        got = jax.jit(step)(w, sharded)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+        # The batch really is split over the 8 devices, 2 rows each, and the jitted step
+        # runs on it as a global array: XLA adds the all-reduce of the partial gradients.
+        assert len(sharded["x"].sharding.device_set) == DEVICES
+        assert {s.data.shape for s in sharded["x"].addressable_shards} == {(2, 6)}
+        hlo = jax.jit(step).lower(w, sharded).compile().as_text()
+        assert "all-reduce" in hlo
+        copies = jax.jit(step)(w, sharded)[None]
+    assert len(copies) == (1 if strategy == "gspmd" else DEVICES)
+    for got in np.asarray(copies):  # every replica holds the global-batch gradient
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
+    # DataParallel's own step: one SGD step with lr 1 moves w by exactly the gradient.
+    class Linear(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(w.copy())
+
+        def __call__(self, x):
+            return x @ self.w
+
+    dp = jaxdist.DataParallel(
+        Linear(),
+        optax.sgd(1.0),
+        lambda model, b: (model(b["x"]) ** 2).mean(),
+        mesh=mesh,
+        strategy=strategy,
+    )
+    state = dp.init_state()
+    before = np.array(dp.host_params(state)["w"], np.float64)  # a copy: step donates state
+    np.testing.assert_array_equal(before, w)
+    state, _ = dp.step(state, sharded)
+    after = np.array(dp.host_params(state)["w"], np.float64)
+    np.testing.assert_allclose(before - after, want, rtol=1e-5)
 
 
 def test_gradient_of_averaged_loss_is_wrong_as_documented():
@@ -204,7 +244,10 @@ def test_sampler_shares_partition_the_global_batch():
 @pytest.mark.parametrize(
     "model, match",
     [
-        ("not a model", "expected a flax.nnx.Module or a flax.linen.Module, got str"),
+        (
+            "not a model",
+            "expected a flax.nnx.Module, a flax.linen.Module or a function returning one, got str",
+        ),
         (LinenCNN(), "needs an example_input"),
     ],
 )

@@ -155,12 +155,15 @@ def test_npz_arrays(tmp_path):
     data = NpzArrays(tmp_path / "d.npz")
     assert len(data) == 10 and data.num_classes == 7 and data.in_features == (3, 2)
     batch = data[np.array([4, 0])]
+    assert set(batch) == {"x", "y"}  # extra has 3 rows, not 10: not part of a batch
     assert batch["x"].dtype == np.float32 and batch["x"].shape == (2, 3, 2)
     assert batch["y"].dtype == np.int32 and batch["y"].tolist() == [y[4], 6]
     np.testing.assert_allclose(batch["x"], x[[4, 0]], rtol=1e-6)
     np.savez(tmp_path / "named.npz", images=x[:4], classes=y[:4].astype(np.uint8))
     named = NpzArrays(tmp_path / "named.npz", inputs="images", labels="classes")
-    assert len(named) == 4 and named[[1]]["y"].tolist() == [y[1]]
+    batch = named[[1]]  # keyed by the arrays' own names
+    assert len(named) == 4 and set(batch) == {"images", "classes"}
+    assert batch["classes"].dtype == np.int32 and batch["classes"].tolist() == [y[1]]
 
 
 def test_npz_errors(tmp_path):

@@ -18,9 +18,13 @@ from jaxdist.data.text import (
 from jaxdist.data.tokens import TokenWindows, read_sidecar, write_token_file
 
 
-def model_input(task: str, batch: Batch):
-    """What the model is called on, e.g. to initialise a Linen module."""
-    return batch["tokens"][:, :-1] if task == "lm" else batch["x"]
+def model_input(task: str, batch: Batch, inputs: str = "x"):
+    """What the model is called on, e.g. to initialise a Linen module: the tokens but the
+    last (lm), else the batch entry named ``inputs`` (``--npz-inputs``); None when the
+    batch has no such entry (a user loss may read other names)."""
+    if task == "lm":
+        return batch["tokens"][:, :-1] if "tokens" in batch else None
+    return batch.get(inputs)
 
 
 __all__ = [

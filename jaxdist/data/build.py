@@ -4,24 +4,24 @@
 the synthetic teacher set for ``classify``); ``synthetic``; ``grammar``; a token file
 (``.bin``, ``.npy``); an ``.npz`` of arrays; text files, folders or globs
 (comma-separated; tokenised at the byte level once, into the cache); or
-``package.module:factory`` returning a ``DataSource``.
+``package.module:factory`` returning a ``DataSource``. Every source, train and held-out,
+is then checked on a sample of rows for ids or labels out of range (``data.checks``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from jaxdist.config import Config, ConfigError
-from jaxdist.data import text
+from jaxdist.data import checks, text
 from jaxdist.data.arrays import NpzArrays
 from jaxdist.data.loader import DataSource
 from jaxdist.data.synthetic import ByteWindows, TeacherClassification, grammar_corpus
 from jaxdist.data.tokens import TokenWindows, read_sidecar
-
-GRAMMAR_VOCAB = 256  # raw bytes, no end-of-document token
+from jaxdist.factories import bind, import_object, parse_model_args
 
 
 @dataclass
@@ -31,10 +31,34 @@ class Data:
     vocab_size: int = 0  # lm: what the model's vocabulary must cover
     byte_level: bool = False  # lm over bytes: eval reports bits per byte
     description: str = ""
+    # DataParallel's batch_check: per row, ids (lm) or labels (classify) in range
+    row_check: Callable | None = None
 
 
 def build(config: Config, task: str, progress: bool = True) -> Data:
-    """``progress``: show data preparation (the main process only)."""
+    """The sources of ``--data`` and ``--eval-data``, each checked on a sample of rows.
+    ``progress``: show data preparation (the main process only)."""
+    data = _build(config, task, progress)
+    path = config.data.path or ("stdlib" if task == "lm" else "synthetic")
+    bound = checks.value_range(task, _limit(config, task, data.vocab_size), config.data.npz_labels)
+    checks.check_source(data.train, f"--data {path}", bound)
+    if data.eval is not None:
+        eval_name = config.data.eval_path and f"--eval-data {config.data.eval_path}"
+        checks.check_source(data.eval, eval_name or f"--data {path} (held-out split)", bound)
+    data.row_check = checks.batch_check(bound, data.train[[0]])
+    return data
+
+
+def _limit(config: Config, task: str, data_vocab: int = 0) -> int:
+    """The model's vocabulary (lm) or number of classes: --model-args, else the flags
+    (else, for the vocabulary, the data's)."""
+    m, declared = config.model, parse_model_args(config.model.model_args)
+    if task == "lm":
+        return int(declared.get("vocab_size") or m.vocab_size or data_vocab)
+    return int(declared.get("num_classes") or m.num_classes)
+
+
+def _build(config: Config, task: str, progress: bool) -> Data:
     d = config.data
     path = d.path or ("stdlib" if task == "lm" else "synthetic")
     if ":" in path and not Path(path).exists():
@@ -46,7 +70,8 @@ def build(config: Config, task: str, progress: bool = True) -> Data:
         seq_len = config.model.seq_len
         train = ByteWindows(seq_len, grammar_corpus(seed=1234))
         held_out = ByteWindows(seq_len, grammar_corpus(num_sentences=2000, seed=4321))
-        return Data(train, held_out, GRAMMAR_VOCAB, True, "the built-in grammar corpus")
+        # raw bytes, no end of document: one id of the byte vocabulary stays unused
+        return Data(train, held_out, text.BYTE_VOCAB, True, "the built-in grammar corpus")
     if path == "stdlib":
         _need(task, "lm", "--data stdlib")
         files = text.stdlib_corpus(
@@ -119,6 +144,7 @@ def _arrays(config: Config, path: str) -> Data:
     held_out = (
         NpzArrays(d.eval_path, inputs=d.npz_inputs, labels=d.npz_labels) if d.eval_path else None
     )
+    classes = _limit(config, "classify")
     for name, arrays in [(path, train), (d.eval_path, held_out)]:
         if arrays is None:
             continue
@@ -127,27 +153,31 @@ def _arrays(config: Config, path: str) -> Data:
                 f"--data: {name} has inputs of shape {tuple(arrays.in_features)} per example; "
                 f"the MLP takes ({m.in_features},): pass --in-features"
             )
-        if arrays.num_classes > m.num_classes:
+        if arrays.num_classes > classes:
             raise ConfigError(
                 f"--data: {name} has labels up to {arrays.num_classes - 1}; the model has "
-                f"{m.num_classes} classes: pass --num-classes {arrays.num_classes}"
+                f"{classes} classes: pass --num-classes {arrays.num_classes}"
             )
     return Data(train, held_out, description=f"{path} ({len(train):,} examples)")
 
 
 def _user(ref: str, config: Config, task: str) -> Data:
-    """``factory(split)`` or ``factory(split, config)`` -> a DataSource, or None for no
-    held-out set; ``split`` is ``"train"`` or ``"eval"``."""
-    from jaxdist.models import import_object
-
+    """``factory`` called by parameter name: ``split`` (``"train"`` or ``"eval"``) and
+    ``config`` (the whole Config), each if it takes them; it returns a DataSource, or None
+    for no held-out set. An lm source's vocabulary: its ``vocab_size`` attribute, else
+    ``--vocab-size``, else bytes (257)."""
     factory = import_object(ref, "--data")
-    takes_config = len(inspect.signature(factory).parameters) >= 2
+    if not callable(factory):
+        raise ConfigError(f"--data {ref!r} is not callable")
 
-    def call(split):
-        return factory(split, config) if takes_config else factory(split)
+    def call(split: str):
+        supplied = {"split": lambda: split}
+        supplied.update(dict.fromkeys(("config", "cfg"), lambda: config))
+        return bind(factory, f"--data {ref}", supplied, fallback="split")()
 
     train = call("train")
     for name in ("__len__", "__getitem__"):
         if not hasattr(train, name):
             raise ConfigError(f"--data {ref}: returned {type(train).__name__}, which has no {name}")
-    return Data(train, call("eval"), config.model.vocab_size or GRAMMAR_VOCAB, False, ref)
+    vocab = getattr(train, "vocab_size", None) or config.model.vocab_size or text.BYTE_VOCAB
+    return Data(train, call("eval"), int(vocab), False, ref)

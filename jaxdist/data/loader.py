@@ -56,12 +56,15 @@ class Prefetcher:
 
     ``next(prefetcher)`` returns ``(device_batch, wait_s)``: ``wait_s`` is the time the
     caller blocked for it, 0 when the producer keeps ahead. An error in the producer is
-    raised here, in the caller's thread."""
+    raised here, in the caller's thread, and again by every later call (the producer has
+    ended: waiting for another item would block forever); the end of a finite source is
+    ``StopIteration`` every time."""
 
     def __init__(self, batches: Iterator[Batch], put: Callable, depth: int = 2):
         self._batches, self._put = batches, put
         self._ready: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self._stop = threading.Event()
+        self._ended: BaseException | None = None  # the producer's error, or StopIteration
         self._thread = threading.Thread(target=self._produce, name="jaxdist-prefetch")
         self._thread.daemon = True  # never keeps a finished or failed process alive
         self._thread.start()
@@ -86,10 +89,13 @@ class Prefetcher:
         return self
 
     def __next__(self):
+        if self._ended is not None:
+            raise self._ended
         start = time.perf_counter()
         item = self._ready.get()
         wait_s = time.perf_counter() - start
         if isinstance(item, _Failed):
+            self._ended = item.error
             raise item.error
         return item, wait_s
 

@@ -40,7 +40,7 @@ _OBJECTS = ["boxes", "stones", "letters", "gears", "apples", "kites"]
 
 def grammar_corpus(num_sentences: int = 20_000, seed: int = 1234) -> bytes:
     """A built-in byte corpus from a tiny grammar: local structure a small model learns
-    quickly (loss falls from ln 256 = 5.5 towards 0.3 nat/byte)."""
+    quickly (loss falls from ln 257 = 5.5 towards 0.3 nat/byte)."""
     rng = np.random.default_rng(seed)
     lines = []
     for _ in range(num_sentences):

@@ -7,8 +7,6 @@ the synthetic data and the default loss: ``classify`` (x (B, F) -> logits (B, C)
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,8 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.config import ConfigError, ModelConfig
-
-BYTE_VOCAB = 256
+from jaxdist.data.text import BYTE_VOCAB
+from jaxdist.factories import bind, import_object, parse_model_args
 
 
 @dataclass(frozen=True)
@@ -66,26 +64,30 @@ def compute_dtype(cfg: ModelConfig):
     return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
 
 
-def import_object(ref: str, what: str):
-    """Imports ``package.module:name``; a clear ConfigError when it cannot."""
-    module_name, sep, attr = ref.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{what} {ref!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"{what} {ref!r}: cannot import module {module_name!r}: {err}") from None
-    if not hasattr(module, attr):
-        raise ConfigError(f"{what} {ref!r}: module {module_name!r} has no attribute {attr!r}")
-    return getattr(module, attr)
+def model_task(cfg: ModelConfig) -> str:
+    """``classify`` or ``lm``: which data and default loss the model takes. A user
+    factory's is ``model.task`` (``auto``: classification)."""
+    if cfg.task != "auto":
+        return cfg.task
+    return BUILTIN[cfg.name].task if cfg.name in BUILTIN else "classify"
 
 
-def resolve(cfg: ModelConfig) -> ModelSpec:
-    """Built-in name or user factory. A user factory takes ``(model_config, rngs)`` or
-    ``(rngs)`` and returns an ``nnx.Module`` or a ``linen.Module``; its task is
-    ``model.task`` (``auto``: classification)."""
+def model_factory(cfg: ModelConfig, seed: int) -> Callable[[], object]:
+    """The model as a zero-argument builder, its arguments checked now: DataParallel calls
+    it inside ``jax.jit``, so the parameters are made where they will live.
+
+    A user factory ``package.module:function`` (or a model class) is called by parameter
+    name: ``rngs`` gets ``nnx.Rngs(seed)``, ``config`` (or ``model_config``, ``cfg``) the
+    ModelConfig, any other parameter a value from ``--model-args`` or its default. It
+    returns an ``nnx.Module`` or a ``linen.Module``."""
     if cfg.name in BUILTIN:
-        return BUILTIN[cfg.name]
+        if cfg.model_args:
+            raise ConfigError(
+                f"--model-args {cfg.model_args!r}: only for a factory package.module:function; "
+                f"--model {cfg.name} takes its sizes from their own flags"
+            )
+        build = BUILTIN[cfg.name].factory
+        return lambda: build(cfg, nnx.Rngs(seed))
     if ":" not in cfg.name:
         raise ConfigError(
             f"model.name: {cfg.name!r} is not one of {', '.join(BUILTIN)} "
@@ -94,19 +96,13 @@ def resolve(cfg: ModelConfig) -> ModelSpec:
     factory = import_object(cfg.name, "--model")
     if not callable(factory):
         raise ConfigError(f"--model {cfg.name!r} is not callable")
-    takes_config = len(inspect.signature(factory).parameters) >= 2
-
-    def build(model_cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-        return factory(model_cfg, rngs) if takes_config else factory(rngs)
-
-    return ModelSpec(build, "classify")
-
-
-def model_task(cfg: ModelConfig) -> str:
-    """``classify`` or ``lm``: which data and default loss the model takes."""
-    return resolve(cfg).task if cfg.task == "auto" else cfg.task
+    supplied = {"rngs": lambda: nnx.Rngs(seed)}
+    supplied.update(dict.fromkeys(("config", "model_config", "cfg"), lambda: cfg))
+    extra = parse_model_args(cfg.model_args)
+    return bind(factory, f"--model {cfg.name}", supplied, extra, fallback="rngs")
 
 
 def build_model(cfg: ModelConfig, seed: int):
-    """(module, task): the module may be NNX or Linen (``jaxdist.as_nnx`` adapts it)."""
-    return resolve(cfg).factory(cfg, nnx.Rngs(seed)), model_task(cfg)
+    """(module, task), built now: the module may be NNX or Linen (``jaxdist.as_nnx``
+    adapts it)."""
+    return model_factory(cfg, seed)(), model_task(cfg)

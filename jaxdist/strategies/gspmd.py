@@ -6,17 +6,16 @@ those of the global batch, as on one device."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.sharding import BATCH_SPEC, replicate
-from jaxdist.strategies import Wired, scalars
+from jaxdist.sharding import BATCH_SPEC
+from jaxdist.strategies import Wired
 
 
-def wire(train_step, eval_step, mesh) -> Wired:
+def wire(train_step, eval_step, mesh, axis_name) -> Wired:
+    del axis_name  # no per-device axis: the step sees global arrays
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, BATCH_SPEC)
     step = jax.jit(
         train_step,
@@ -25,11 +24,4 @@ def wire(train_step, eval_step, mesh) -> Wired:
         donate_argnums=0,
     )
     evaluate = jax.jit(eval_step, in_shardings=(replicated, batch), out_shardings=replicated)
-    return Wired(
-        step=step,
-        lower=step.lower,
-        put_state=partial(replicate, mesh=mesh),
-        get_state=lambda state: state,
-        get_metrics=scalars,
-        evaluate=evaluate,
-    )
+    return Wired(step=step, lower=step.lower, evaluate=evaluate)

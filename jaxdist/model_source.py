@@ -1,0 +1,76 @@
+"""Where the model comes from, and the initial state made from it inside ``jax.jit``.
+
+A model arrives built (an ``nnx.Module``: its arrays are the program's inputs, never
+donated or changed), as a Linen description, or as a function that builds one (run inside
+the program). Either way one compiled program makes the ``TrainState`` directly in the
+strategy's layout: no device holds more than its share, nothing is all-gathered, and
+pmap's N copies are made on their own devices, not first on device 0.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import linen, nnx
+
+from jaxdist.adapt import as_nnx, model_copy, split_model
+from jaxdist.errors import ModelError
+from jaxdist.step import make_loss, new_state
+from jaxdist.strategies import Layout
+
+
+class ModelSource:
+    def __init__(self, model, tx, layout: Layout, example_input, *, seed, linen_train_arg):
+        self._make, self._args = _maker(model, example_input, seed, linen_train_arg)
+        abstract = nnx.eval_shape(self._make, *self._args)
+        self.train_graphdef, *self._abstract_state = split_model(
+            model_copy(abstract, training=True, warn=True)
+        )
+        self.eval_graphdef = split_model(model_copy(abstract, training=False))[0]
+        params = self._abstract_state[0]
+        # Names of the parameter leaves in jax.tree.leaves order ("blocks/0/attn/kernel").
+        self.leaf_paths = [_path_name(path) for path, _ in jax.tree.leaves_with_path(params)]
+
+        def init(*args):
+            _, params, stats, rngs = split_model(model_copy(self._make(*args), training=True))
+            return layout.expand(new_state(params, stats, rngs, tx))
+
+        self._init = jax.jit(init, out_shardings=layout.sharding)
+
+    def init_state(self):
+        return self._init(*self._args)
+
+    def lower_init(self) -> jax.stages.Lowered:
+        return self._init.lower(*self._args)
+
+    def abstract_loss(self, loss_fn):
+        """The training loss as a pure function, for tracing without data."""
+        return make_loss(self.train_graphdef, loss_fn)
+
+    def abstract_args(self, rows):
+        """Arguments of ``abstract_loss``: the state's shapes, ``rows``, a key."""
+        return (*self._abstract_state, rows, jax.random.key(0))
+
+
+def _maker(model, example_input, seed: int, linen_train_arg):
+    """(make, args): ``make(*args)`` returns the model as an ``nnx.Module``."""
+    if isinstance(model, nnx.Module):
+        graphdef, state = nnx.split(model)
+        return (lambda state: nnx.merge(graphdef, state)), (state,)
+    if isinstance(model, linen.Module) or callable(model):
+
+        def make():
+            built = model() if not isinstance(model, linen.Module) else model
+            return as_nnx(built, example_input, seed=seed, linen_train_arg=linen_train_arg)
+
+        return make, ()
+    raise ModelError(
+        f"expected a flax.nnx.Module, a flax.linen.Module or a function returning one, "
+        f"got {type(model).__name__}"
+    )
+
+
+def _path_name(path) -> str:
+    parts = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+    if parts and parts[-1] == "value":  # the array inside an nnx.Variable
+        parts = parts[:-1]
+    return "/".join(map(str, parts))
