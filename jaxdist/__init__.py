@@ -23,6 +23,7 @@ from jaxdist.process import ProcessInfo, barrier, initialize, is_main_process, p
 from jaxdist.replicas import mean_over_replicas, replica_index, step_key, sum_over_replicas
 from jaxdist.sampler import DistributedSampler, EvalSampler
 from jaxdist.sharding import make_mesh, shard_batch
+from jaxdist.spawn import SpawnError, spawn
 from jaxdist.step import TrainState
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ __all__ = [
     "ModelError",
     "NonFiniteError",
     "ProcessInfo",
+    "SpawnError",
     "TrainState",
     "as_nnx",
     "barrier",
@@ -46,6 +48,7 @@ __all__ = [
     "print_main",
     "replica_index",
     "shard_batch",
+    "spawn",
     "step_key",
     "sum_over_replicas",
 ]

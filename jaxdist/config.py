@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,13 +16,10 @@ from typing import Any, Literal
 
 import yaml
 
-from jaxdist.errors import JaxdistError
+from jaxdist.config_checks import coerce, flag_name, validate
+from jaxdist.errors import ConfigError
 
 Strategy = Literal["pmap", "shard_map", "gspmd"]
-
-
-class ConfigError(JaxdistError):
-    """A bad key or value in the configuration (exit code 2)."""
 
 
 @dataclass
@@ -144,33 +140,6 @@ def _leaf_fields() -> list[tuple[str, dataclasses.Field, Any]]:
     return out
 
 
-def _coerce(key: str, value: Any, typ: Any) -> Any:
-    """Checks and converts one value; the error names the key and the allowed values."""
-    if typing.get_origin(typ) is Literal:
-        allowed = typing.get_args(typ)
-        if value not in allowed:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
-        return value
-    if isinstance(typ, types.UnionType):
-        typ = next(t for t in typing.get_args(typ) if t is not type(None))
-    try:
-        if typ is bool:
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError
-                return value.lower() in ("true", "1", "yes")
-            return bool(value)
-        if typ is int:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        if typ is float:
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}: {value!r} is not a valid {typ.__name__}") from None
-
-
 def from_dict(tree: dict) -> Config:
     """Builds a Config from a nested dict, refusing unknown sections and keys."""
     classes = _section_classes()
@@ -187,7 +156,7 @@ def from_dict(tree: dict) -> Config:
                 raise ConfigError(
                     f"unknown config key {name}.{key}; allowed: {', '.join(sorted(hints))}"
                 )
-        sections[name] = cls(**{k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in values.items()})
+        sections[name] = cls(**{k: coerce(f"{name}.{k}", v, hints[k]) for k, v in values.items()})
     config = Config(**sections)
     validate(config)
     return config
@@ -195,59 +164,6 @@ def from_dict(tree: dict) -> Config:
 
 def to_dict(config: Config) -> dict:
     return dataclasses.asdict(config)
-
-
-def validate(config: Config) -> None:
-    """Value checks that types alone do not catch."""
-    positive = {
-        "train.steps": config.train.steps,
-        "train.global_batch_size": config.train.global_batch_size,
-        "train.grad_accum": config.train.grad_accum,
-        "train.log_every": config.train.log_every,
-        "model.seq_len": config.model.seq_len,
-        "model.depth": config.model.depth,
-        "model.n_layers": config.model.n_layers,
-        "model.n_heads": config.model.n_heads,
-        "data.num_examples": config.data.num_examples,
-        "data.eval_examples": config.data.eval_examples,
-        "data.prefetch": config.data.prefetch,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key}: must be >= 1, got {value}")
-    for key, value in {
-        "train.cpu_devices": config.train.cpu_devices,
-        "train.num_devices": config.train.num_devices,
-        "optim.base_batch_size": config.optim.base_batch_size,
-        "optim.warmup_steps": config.optim.warmup_steps,
-        "model.vocab_size": config.model.vocab_size,
-        "train.eval_every": config.train.eval_every,
-        "train.eval_batch_size": config.train.eval_batch_size,
-    }.items():
-        if value < 0:
-            raise ConfigError(f"{key}: must be >= 0, got {value}")
-    for key, value in {
-        "dist.init_timeout": config.dist.init_timeout,
-        "dist.heartbeat_timeout": config.dist.heartbeat_timeout,
-    }.items():
-        if value <= 0:
-            raise ConfigError(f"{key}: must be > 0, got {value}")
-    if not 0 <= config.data.eval_fraction < 1:
-        raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {config.data.eval_fraction}")
-    if config.optim.lr <= 0:
-        raise ConfigError(f"optim.lr: must be > 0, got {config.optim.lr}")
-    from jaxdist.factories import parse_model_args  # here: it imports ConfigError from us
-
-    parse_model_args(config.model.model_args)  # bad syntax: exit 2 before anything runs
-    if config.model.d_model % config.model.n_heads:
-        raise ConfigError(
-            f"model.d_model={config.model.d_model} is not divisible by "
-            f"model.n_heads={config.model.n_heads}"
-        )
-
-
-def _flag(section: str, f: dataclasses.Field) -> str:
-    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,12 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
         if typing.get_origin(typ) is Literal:
             kwargs["choices"] = typing.get_args(typ)
         elif typ is bool:  # "--flag" alone means true; "--flag false" also works
-            kwargs.update(type=str, nargs="?", const="true")
+            kwargs.update(type=_cli_bool, nargs="?", const=True)
         else:
             kwargs["type"] = typ if typ in (int, float) else str
         default = f.default if f.default is not dataclasses.MISSING else None
         kwargs["help"] = f"{section}.{f.name} (default: {default!r})"
-        parser.add_argument(_flag(section, f), f"--{section}.{f.name}", **kwargs)
+        parser.add_argument(flag_name(f), f"--{section}.{f.name}", **kwargs)
     return parser
 
 
@@ -275,18 +191,49 @@ def parse_args(argv: list[str] | None = None) -> Config:
     args = vars(build_parser().parse_args(argv))
     tree: dict[str, dict] = {}
     if args.get("config"):
-        path = Path(args.pop("config"))
-        if not path.is_file():
-            raise ConfigError(f"--config: no such file {path}")
-        loaded = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"--config {path}: top level must be a mapping")
+        loaded = load_yaml(Path(args["config"]))
         tree = {k: dict(v) if isinstance(v, dict) else v for k, v in loaded.items()}
     args.pop("config", None)
     for dotted, value in args.items():
         section, key = dotted.split(".", 1)
         tree.setdefault(section, {})[key] = value
     return from_dict(tree)
+
+
+def _cli_bool(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1", "yes")
+
+
+def load_yaml(path: Path) -> dict:
+    """The ``--config`` file as a mapping. Plain YAML only (``yaml.safe_load``: a
+    ``!!python/...`` tag is refused); any problem is one ConfigError naming the file and,
+    for bad YAML, the line, the column and the problem."""
+    if not path.is_file():
+        raise ConfigError(f"--config: no such file {path}")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot read it: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"--config {path}: not UTF-8 text: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config {path}: {_yaml_problem(err)}") from None
+    if not isinstance(loaded, dict | None):
+        raise ConfigError(f"--config {path}: top level must be a mapping")
+    return loaded or {}
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """``line 3, column 7: mapping values are not allowed here``: YAML's own message
+    without its excerpt of the file."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or " ".join(str(err).split())
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    if "tag:yaml.org,2002:python/" in problem:
+        problem += " (Python tags are not read: write plain values)"
+    return f"not valid YAML: {where}{problem}"
 
 
 def save(config: Config, path: Path) -> None:

@@ -7,15 +7,16 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import yaml
 
-from jaxdist.config import ConfigError
+from jaxdist.errors import ConfigError, JaxdistError
 
 _P = inspect.Parameter
-_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 def import_object(ref: str, what: str):
@@ -27,9 +28,24 @@ def import_object(ref: str, what: str):
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ConfigError(f"{what} {ref!r}: cannot import module {module_name!r}: {err}") from None
+    except (Exception, SystemExit) as err:  # the module's own code failed as it ran
+        raise ConfigError(
+            f"{what} {ref!r}: importing module {module_name!r} raised {describe_exception(err)}"
+        ) from None
     if not hasattr(module, attr):
         raise ConfigError(f"{what} {ref!r}: module {module_name!r} has no attribute {attr!r}")
     return getattr(module, attr)
+
+
+def describe_exception(err: BaseException) -> str:
+    """``RuntimeError: boom (at my_models.py:3)`` on one line: the type, the first line
+    of the message, and where it was raised (a SyntaxError names its own place)."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    frames = traceback.extract_tb(err.__traceback__)
+    if frames and not isinstance(err, SyntaxError):
+        text += f" (at {frames[-1].filename}:{frames[-1].lineno})"
+    return text
 
 
 def parse_model_args(text: str) -> dict[str, Any]:
@@ -55,7 +71,7 @@ def _value(key: str, text: str) -> Any:
     except yaml.YAMLError as err:  # one line: the problem, not YAML's source excerpt
         problem = getattr(err, "problem", None) or type(err).__name__
         raise ConfigError(f"--model-args: {key}={text} is not a YAML value ({problem})") from None
-    if isinstance(value, str) and _NUMBER.fullmatch(value):
+    if isinstance(value, str) and NUMBER.fullmatch(value):
         return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
     return value
 
@@ -126,7 +142,7 @@ def bind(
     sig = signature(factory)
     if sig is None:
         names = ([fallback] if fallback else []) + list(extra)
-        return _call(factory, [], {k: supplied.get(k) or _const(extra[k]) for k in names})
+        return _call(factory, [], {k: supplied.get(k) or _const(extra[k]) for k in names}, what)
     params = sig.parameters
     takes_any = any(p.kind is _P.VAR_KEYWORD for p in params.values())
     named = {k for k, p in params.items() if p.kind not in (_P.VAR_POSITIONAL, _P.VAR_KEYWORD)}
@@ -148,7 +164,7 @@ def bind(
         elif make is not None:
             kwargs[param.name] = make
     kwargs.update({k: _const(v) for k, v in extra.items()})  # the rest go to **kwargs
-    return _call(factory, args, kwargs)
+    return _call(factory, args, kwargs, what)
 
 
 def _missing(what: str, name: str, sig, param: str, supplied: dict) -> str:
@@ -163,8 +179,17 @@ def _const(value) -> Callable[[], Any]:
     return lambda: value
 
 
-def _call(factory, args: list, kwargs: dict) -> Callable[[], Any]:
+def _call(factory, args: list, kwargs: dict, what: str) -> Callable[[], Any]:
+    """The call, whose failure is one ConfigError naming the factory and the exception."""
+    name = getattr(factory, "__qualname__", None) or repr(factory)
+
     def call():
-        return factory(*(make() for make in args), **{k: make() for k, make in kwargs.items()})
+        positional, named = [make() for make in args], {k: make() for k, make in kwargs.items()}
+        try:
+            return factory(*positional, **named)
+        except JaxdistError:
+            raise
+        except Exception as err:
+            raise ConfigError(f"{what}: {name} raised {describe_exception(err)}") from err
 
     return call

@@ -2,8 +2,10 @@
 
 SLURM's ``--signal=USR1@120`` sends SIGUSR1 two minutes before the end of the allocation.
 The handler only sets a flag; processes agree on it at the next check (an all-gather),
-so every process stops after the same step. SIGUSR1 is used rather than SIGTERM because
-after ``jax.distributed.initialize`` JAX's preemption service takes SIGTERM over.
+so every process stops after the same step and exits 75. SIGTERM is not a stop request:
+it ends a process of a group at once with 143 (``jaxdist.process``), which is what a
+launcher ending its group, ``scancel`` or ``kill`` mean. ``jaxdist.launch`` reports exit
+75 as a preemption, not a failure, and lets the other processes stop by themselves.
 """
 
 from __future__ import annotations

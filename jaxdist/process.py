@@ -6,7 +6,9 @@ PyTorch's ``init_process_group`` / ``rank`` / ``world_size`` / ``barrier`` map t
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -19,6 +21,7 @@ from jaxdist.cluster import ClusterSpec
 from jaxdist.errors import JaxdistError
 
 EXIT_PEER_FAILURE = 1  # the group did not form, or a peer died: not the user's input
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a shell reports a death by SIGTERM
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,50 @@ def _join(spec: ClusterSpec, init_timeout: float, heartbeat_timeout: float) -> N
         jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id, **kwargs)
     watchdog.cancel()
     _exit_fast_on_uncaught_error(spec.process_id)
+    _exit_on_sigterm()
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM exits at once with 143. jax.distributed.initialize hands SIGTERM to JAX's
+    preemption notifier, which keeps the process running (shared/jax-notes fact 2), so
+    neither a launcher ending its group, nor SLURM, nor ``kill`` could end it; a handler
+    installed after initialize replaces the notifier. A Python handler runs only when the
+    main thread is in Python, not while it waits in XLA (a collective whose peer died,
+    a long step), so a thread woken by the signal through the wakeup fd exits too."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # handlers can only be installed from the main thread
+    signal.signal(signal.SIGTERM, _terminate)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(
+        target=_watch_signals, args=(read_fd, previous), daemon=True, name="jaxdist-sigterm"
+    ).start()
+
+
+def _watch_signals(read_fd: int, previous_fd: int) -> None:
+    while True:
+        numbers = os.read(read_fd, 512)  # one byte per signal that has a Python handler
+        if previous_fd >= 0:  # whoever had the wakeup fd before still gets woken
+            with contextlib.suppress(OSError):
+                os.write(previous_fd, numbers)
+        if signal.SIGTERM in numbers:
+            _terminate()
+
+
+def _terminate(signum=None, frame=None) -> None:
+    # Flushed from another thread, with a time limit: the interrupted main thread may hold
+    # a stream's lock (or be blocked writing to a full pipe).
+    flusher = threading.Thread(target=_flush, daemon=True)
+    flusher.start()
+    flusher.join(timeout=1)
+    os._exit(EXIT_TERMINATED)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
 
 
 def _exit_fast_on_uncaught_error(process_id: int) -> None:
@@ -139,7 +186,9 @@ def initialize(
     ``JAXDIST_NUM_PROCESSES`` / ``JAXDIST_PROCESS_ID`` (set by ``python -m jaxdist.launch``)
     or PyTorch's ``MASTER_ADDR`` / ``MASTER_PORT`` / ``WORLD_SIZE`` / ``RANK`` /
     ``LOCAL_RANK``; else one process. ``cpu_devices=8`` emulates 8 CPU devices per process;
-    ``JAXDIST_PLATFORM`` picks the platform. CPU processes talk through gloo.
+    ``JAXDIST_PLATFORM`` picks the platform. CPU processes talk through gloo. In a group,
+    SIGTERM then ends the process at once with exit code 143, as it would without JAX
+    (SIGUSR1 is the signal to stop cleanly: ``jaxdist.preempt``).
 
     Example::
 

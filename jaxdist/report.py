@@ -1,10 +1,12 @@
 """What a run shows and writes: metrics.jsonl, a progress bar on a terminal (plain log
 lines otherwise), and a final summary. Only the main process writes or prints; the
-metrics file is opened at the first logged step (the first step is always logged)."""
+metrics file is opened at the first logged step (the first step is always logged); its
+records are strict JSON, NaN and infinities written as null."""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +30,15 @@ def _fmt(metrics: dict) -> str:
         if name in metrics:
             parts.append(f"{name} {metrics[name]:{fmt}}")
     return "  ".join(parts)
+
+
+def json_line(record: dict) -> str:
+    """One metrics.jsonl record, strict JSON: a NaN or infinite value (a step that
+    ``--nan-policy skip`` left out) is written as null."""
+    finite = {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
+    return json.dumps(finite, allow_nan=False)
 
 
 class Reporter:
@@ -68,7 +79,7 @@ class Reporter:
             self.metrics_file = open(self.open_metrics(), "a", buffering=1)  # noqa: SIM115
             self.open_metrics = None
         if self.metrics_file is not None:
-            self.metrics_file.write(json.dumps(metrics) + "\n")
+            self.metrics_file.write(json_line(metrics) + "\n")
         if not self.show:
             return
         step = metrics["step"]

@@ -9,6 +9,7 @@ import dataclasses
 import os
 import sys
 from functools import partial
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -47,8 +48,9 @@ def check_batch(global_batch_size: int, num_devices: int, grad_accum: int) -> in
     return per_device
 
 
-def setup(config: Config) -> Run:
-    """Built on jaxdist's public API only, as a user's own loop would be."""
+def setup(config: Config, run_dir: Path | None = None) -> Run:
+    """Built on jaxdist's public API only, as a user's own loop would be. ``run_dir``:
+    where process 0 will write, checked now."""
     cfg = config.train
     # --- process group, devices and mesh
     d = config.dist
@@ -62,6 +64,8 @@ def setup(config: Config) -> Run:
         heartbeat_timeout=d.heartbeat_timeout,
     )
     print(f"[rank {info.process_index}] {info}", flush=True)  # one line per process
+    if info.process_index == 0:  # the one that writes: an unwritable path fails now
+        check_outputs(run_dir, cfg.save_params)
     if cfg.num_devices and info.process_count > 1 and cfg.num_devices != info.device_count:
         raise ConfigError(
             f"--num-devices {cfg.num_devices}: with {info.process_count} processes every "
@@ -89,6 +93,13 @@ def setup(config: Config) -> Run:
     )
     peak_lr = effective_lr(config.optim, cfg.global_batch_size)
     return Run(config, info, mesh, task, dp, state, data, batches, peak_lr)
+
+
+def check_outputs(run_dir: Path | None, save_params: str) -> None:
+    if run_dir is not None:
+        rundir.check_writable(run_dir, "--run-dir", is_dir=True)
+    if save_params:
+        rundir.check_writable(Path(save_params), "--save-params", is_dir=False)
 
 
 def make_step(config: Config, task: str, data: data_lib.Data, mesh) -> jaxdist.DataParallel:
@@ -141,9 +152,9 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
 
     ``write=False`` keeps files out (tests); ``quiet=True`` prints nothing (benchmarks)."""
     cfg = config.train
-    run = setup(config)
-    is_main = jaxdist.is_main_process()
     run_dir = rundir.run_dir_path(config) if write else None
+    run = setup(config, run_dir)
+    is_main = jaxdist.is_main_process()
     open_metrics = partial(rundir.create, run_dir, config) if write and is_main else None
     report = Reporter(open_metrics, cfg.steps, show=is_main and not quiet)
     per_device = cfg.global_batch_size // run.mesh.size
@@ -159,6 +170,7 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
         stopped_at = loop(run, report, stop)
     except Exception as err:
         run.batches.close()
+        report.close()
         if run.info.process_count == 1 or isinstance(err, STEP_ERRORS):
             raise
         # A collective failed: a peer died. Exit now; JAX's shutdown barrier would otherwise
@@ -173,6 +185,7 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
     run.batches.close()
     report.close()
     if cfg.save_params and is_main:
+        Path(cfg.save_params).parent.mkdir(parents=True, exist_ok=True)
         np.savez(cfg.save_params, **run.dp.host_params(run.state))
     first, last = run.history[0]["loss"], run.history[-1]["loss"]
     report.print(

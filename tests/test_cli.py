@@ -127,7 +127,7 @@ def test_linear_lr_scaling_is_printed(tmp_path):
         (["--model", "builtins:repr"], ["repr needs parameter 'obj'", "repr(obj, /)"]),
         (["--model", "builtins:dict"], ["expected a flax.nnx.Module", "got dict"]),
         (["--optimizer", "lamb"], ["lamb", "adamw", "sgd"]),
-        (["--steps", "0"], ["train.steps", ">= 1"]),
+        (["--steps", "0"], ["train.steps", "in [1, 2147483647]", "got 0"]),
         (["--steps", "ten"], ["--steps", "invalid int value"]),
     ],
 )

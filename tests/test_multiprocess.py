@@ -194,9 +194,12 @@ def test_launcher_ctrl_c_ends_every_process(tmp_path):
 def test_launcher_restarts_the_group(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
-        "import os, pathlib, sys\n"
+        "import os, pathlib, sys, time\n"
         "marker = pathlib.Path(sys.argv[1], 'tried' + os.environ['JAXDIST_PROCESS_ID'])\n"
-        "if not marker.exists():\n    marker.write_text('1')\n    sys.exit(4)\n"
+        "if not marker.exists():\n    marker.write_text('1')\n"
+        # Both ranks fail on the first try: the launcher ends the group at the first exit.
+        "    while len(list(marker.parent.glob('tried*'))) < 2:\n        time.sleep(0.01)\n"
+        "    sys.exit(4)\n"
     )
     proc, _ = launch(
         "--nproc", "2", "--max-restarts", "1", "--", sys.executable, str(script), str(tmp_path)

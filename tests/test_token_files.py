@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -142,6 +143,57 @@ def test_too_short_empty_missing_and_stale_sidecar(tmp_path):
     _raw(stale, np.arange(50, dtype=np.uint16))
     with pytest.raises(JaxdistError, match=r"says 100 tokens but .*s\.bin holds 50"):
         TokenWindows(stale, 8)
+
+
+@pytest.mark.parametrize(
+    "field, value, wanted",
+    [
+        ("vocab_size", "abc", "an int >= 1"),
+        ("vocab_size", 0, "an int >= 1"),
+        ("num_tokens", -1, "an int >= 0"),
+        ("max_token", True, "an int >= -1"),
+        ("documents", 1.5, "an int >= 0"),
+        ("dtype", 16, "a string"),
+        ("sources", None, "a string"),
+        ("files", ["a", 1], "a list of strings"),
+    ],
+)
+def test_sidecar_fields_of_the_wrong_type_name_the_file_and_field(tmp_path, field, value, wanted):
+    path = _write(tmp_path / "t.bin", np.arange(10))
+    meta = json.loads((tmp_path / "t.bin.json").read_text())
+    (tmp_path / "t.bin.json").write_text(json.dumps(meta | {field: value}))
+    message = rf"t\.bin\.json: field '{field}' is {re.escape(repr(value))}, not {wanted}"
+    with pytest.raises(JaxdistError, match=message):
+        TokenWindows(path, 4)
+
+
+@pytest.mark.parametrize("dtype, bad", [(np.uint16, 700), (np.uint32, 3_000_000_000)])
+def test_ids_read_are_checked_whatever_the_sidecar_claims(tmp_path, dtype, bad):
+    tokens = (np.arange(801) % 50).astype(dtype)
+    tokens[8 * 33 + 5] = bad  # example 33 of windows of 8 + 1
+    path = _raw(tmp_path / "t.bin", tokens)
+    meta = {"dtype": np.dtype(dtype).name, "num_tokens": 801, "vocab_size": 100, "max_token": 49}
+    (tmp_path / "t.bin.json").write_text(json.dumps(meta))
+    windows = TokenWindows(path, 8, vocab_size=100)  # the sidecar spares the full pass
+    assert windows[[0, 32, 34]]["tokens"].max() < 50  # other rows read as they are
+    message = (
+        rf"t\.bin: example 33 has token id {bad} at position 269, outside the vocabulary "
+        r"of 100; its sidecar's max_token 49 is wrong"
+    )
+    with pytest.raises(JaxdistError, match=message):
+        windows[[2, 33]]
+
+
+def test_a_file_truncated_after_opening_is_named_with_both_sizes(tmp_path):
+    # Within the first page: without the check the read would be zeros, not SIGBUS (which
+    # would end pytest itself); test_bad_input.py truncates a 4-page file in a subprocess.
+    path = _write(tmp_path / "t.bin", np.arange(801) % 100)
+    windows = TokenWindows(path, 8, vocab_size=100)
+    windows[[50]]
+    os.truncate(path, 64)
+    message = r"t\.bin changed while in use: it was 1602 bytes when opened, now 64"
+    with pytest.raises(JaxdistError, match=message):
+        windows[[50]]
 
 
 # npz arrays.

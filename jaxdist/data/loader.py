@@ -15,6 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxdist.errors import JaxdistError
 from jaxdist.sampler import DistributedSampler, EvalSampler
 
 Batch = dict[str, np.ndarray]
@@ -31,10 +32,15 @@ class DataSource(Protocol):
 
 
 def host_batches(source: DataSource, sampler: DistributedSampler, start_step: int = 0):
-    """This process's rows of each global batch, from ``start_step`` on."""
+    """This process's rows of each global batch, from ``start_step`` on. A source's
+    JaxdistError (a bad id, a file that changed) names the optimizer step, counted from 1."""
     step = start_step
     while True:
-        yield source[sampler.indices(step)]
+        try:
+            batch = source[sampler.indices(step)]
+        except JaxdistError as err:
+            raise JaxdistError(f"step {step + 1}: {err}") from None
+        yield batch
         step += 1
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,23 @@ from jaxdist.errors import JaxdistError
 
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 SCAN_CHUNK_TOKENS = 1 << 24  # a max() pass holds 16M ids (32-64 MB) of the file at a time
+# The sidecar's fields, each optional: what a value must be, and the test of it.
+SIDECAR_FIELDS = {
+    "dtype": ("a string", lambda v: isinstance(v, str)),
+    "num_tokens": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "vocab_size": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
+    "max_token": ("an int >= -1", lambda v: _is_int(v) and v >= -1),  # -1: no tokens
+    "documents": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "sources": ("a string", lambda v: isinstance(v, str)),
+    "files": (
+        "a list of strings",
+        lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    ),
+}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def sidecar_path(path) -> Path:
@@ -41,6 +59,9 @@ def read_sidecar(path) -> dict | None:
         raise JaxdistError(f"{meta_path}: unreadable sidecar: {err}") from err
     if not isinstance(meta, dict):
         raise JaxdistError(f"{meta_path}: the sidecar is not a JSON object")
+    for key, (wanted, fits) in SIDECAR_FIELDS.items():
+        if key in meta and not fits(meta[key]):
+            raise JaxdistError(f"{meta_path}: field {key!r} is {meta[key]!r}, not {wanted}")
     return meta
 
 
@@ -142,6 +163,11 @@ class TokenWindows:
             raise JaxdistError(f"{self.path}: no such token file")
         meta = read_sidecar(self.path)
         self.vocab_size = meta.get("vocab_size") if meta else None
+        # Kept open to see the mapped file's size before every read: a truncated file
+        # would otherwise kill the process with SIGBUS at the first page past its end.
+        self._fd = os.open(self.path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
+        self._size = os.fstat(self._fd).st_size
         if self.path.suffix == ".npy":
             self.tokens = self._open_npy(dtype, meta)
         else:
@@ -152,6 +178,10 @@ class TokenWindows:
                 f"{sidecar_path(self.path)} says {meta['num_tokens']} tokens but {self.path} "
                 f"holds {self.num_tokens}: a stale sidecar? Prepare the data again"
             )
+        # Every id read is checked against the vocabulary: the sidecar's max_token only
+        # spares the pass over the whole file at setup.
+        self._limit = int(vocab_size) if vocab_size is not None else self.vocab_size
+        self._claimed_max = meta.get("max_token") if meta else None
         if vocab_size is not None:
             self._check_vocab(int(vocab_size), meta)
 
@@ -164,7 +194,7 @@ class TokenWindows:
                 f"{self.path}: dtype {dtype} was asked for, but its sidecar says {found}"
             )
         itemtype = DTYPES[found or ("uint16" if dtype == "auto" else dtype)]
-        size = self.path.stat().st_size
+        size = self._size
         if size % itemtype.itemsize:
             raise JaxdistError(
                 f"{self.path}: {size} bytes is not a whole number of {itemtype.name} tokens "
@@ -219,11 +249,39 @@ class TokenWindows:
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         if indices.size and (indices.min() < 0 or indices.max() >= len(self)):
             raise IndexError(f"{self.path}: example indices must be in [0, {len(self)})")
+        self._check_unchanged()
         width = self.seq_len + 1
         out = np.empty((len(indices), width), np.int32)  # (B, T + 1)
         for row, start in enumerate((indices * self.seq_len).tolist()):
             out[row] = self.tokens[start : start + width]  # one copy + cast per row
+        # One pass: as uint32, a negative id (or one the int32 cast wrapped) is huge too.
+        if self._limit is not None and out.size and out.view(np.uint32).max() >= self._limit:
+            self._bad_id(indices, out)
         return {"tokens": out}
+
+    def _check_unchanged(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size != self._size:
+            raise JaxdistError(
+                f"{self.path} changed while in use: it was {self._size} bytes when opened, "
+                f"now {size}; something truncated or rewrote it"
+            )
+
+    def _bad_id(self, indices: np.ndarray, out: np.ndarray) -> None:
+        """Raises for the first id of ``out`` outside the vocabulary (or negative)."""
+        row, col = np.argwhere((out < 0) | (out >= self._limit))[0]
+        position = int(indices[row]) * self.seq_len + int(col)
+        value = int(self.tokens[position])  # as stored: the int32 cast may have wrapped
+        claim = self._claimed_max
+        wrong = (
+            f"; its sidecar's max_token {claim} is wrong"
+            if claim is not None and claim < value
+            else ""
+        )
+        raise JaxdistError(
+            f"{self.path}: example {indices[row]} has token id {value} at position {position}, "
+            f"outside the vocabulary of {self._limit}{wrong}"
+        )
 
 
 def _extremes(tokens: np.ndarray) -> tuple[tuple[int, int], tuple[int, int]]:

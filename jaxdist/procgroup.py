@@ -1,0 +1,308 @@
+"""N local processes of one command, started, watched and ended as one group: the one
+implementation behind ``python -m jaxdist.launch`` and ``jaxdist.spawn``.
+
+* Output is forwarded as bytes, each line prefixed ``[rank R] ``. Nothing is decoded, so
+  no byte can stop the forwarding (a reader that stopped would let the pipe fill and
+  block its rank for ever).
+* A thread per process waits for it, so exits are seen in the order they happen: the
+  first rank to fail, by time, is the one reported.
+* Ending the group: SIGTERM to every rank's process group, SIGKILL after ``grace`` s.
+  A rank that stopped for preemption (exit 75) first gives the others ``grace`` s to stop
+  at the same step by themselves.
+* No orphans. Each rank leads its own process group (its children are signalled with
+  it) and gets SIGKILL when the thread that started it dies (Linux ``PR_SET_PDEATHSIG``,
+  ``kill -9`` of us included); a guard process SIGKILLs every rank's process group when
+  its pipe from us closes without a goodbye, which also reaches the ranks' children and
+  works where prctl does not exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from jaxdist.preempt import EXIT_PREEMPTED
+from jaxdist.process import EXIT_TERMINATED
+
+KILL_WAIT_S = 5.0  # after SIGKILL: time for the kernel to tear the processes down
+
+# Run by a separate interpreter: it holds the read end of a pipe from us and outlives us.
+GUARD = """
+import os, signal, sys
+groups = set()
+for line in sys.stdin:
+    word, _, pgid = line.partition(" ")
+    if word == "done":
+        sys.exit()
+    groups.add(int(pgid))
+for pgid in groups:  # the pipe closed without "done": our owner died
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+# Runs in each rank's process, then becomes the command: PR_SET_PDEATHSIG (1) = SIGKILL.
+DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))
+if os.getppid() != int(sys.argv[1]):  # our starter died before prctl: no signal would come
+    os._exit(1)
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as err:
+    print(f"jaxdist: cannot run {sys.argv[2]!r}: {err}", file=sys.stderr, flush=True)
+    os._exit(127)  # as a shell reports a command that cannot run
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(
+    rank: int, nproc: int, port: int, *, cpu_devices_per_proc: int = 0, gpus_per_proc: int = 0
+) -> dict[str, str]:
+    """The environment ``jaxdist.initialize()`` reads to join the group (``jaxdist.cluster``)."""
+    env = dict(os.environ)
+    env.update(
+        JAXDIST_COORDINATOR=f"127.0.0.1:{port}",
+        JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",  # loopback only, not [::]
+        JAXDIST_NUM_PROCESSES=str(nproc),
+        JAXDIST_PROCESS_ID=str(rank),
+        PYTHONUNBUFFERED="1",  # lines arrive as they are printed, not at exit
+    )
+    if cpu_devices_per_proc:
+        env.update(JAXDIST_PLATFORM="cpu", JAX_NUM_CPU_DEVICES=str(cpu_devices_per_proc))
+    if gpus_per_proc:
+        first = rank * gpus_per_proc
+        ids = range(first, first + gpus_per_proc)
+        env["JAXDIST_LOCAL_DEVICE_IDS"] = ",".join(map(str, ids))
+    return env
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@dataclass(frozen=True)
+class Exit:
+    rank: int
+    returncode: int  # as subprocess reports it: -S for a death by signal S
+
+    @property
+    def code(self) -> int:
+        """As a shell reports it: 128 + S for a death by signal S."""
+        return 128 - self.returncode if self.returncode < 0 else self.returncode
+
+    @property
+    def preempted(self) -> bool:
+        return self.returncode == EXIT_PREEMPTED
+
+    def __str__(self) -> str:
+        if self.returncode == 0:
+            return f"rank {self.rank} finished"
+        if self.preempted:
+            return f"rank {self.rank} stopped for preemption (exit {EXIT_PREEMPTED})"
+        text = f"rank {self.rank} failed with exit code {self.code}"
+        if self.returncode < 0:
+            return f"{text}: it was killed by {signal_name(-self.returncode)}"
+        if self.returncode == EXIT_TERMINATED:  # jaxdist.initialize's SIGTERM handler
+            return f"{text}: it was ended by SIGTERM"
+        return text
+
+
+class Output:
+    """Bytes to a text stream (default ``sys.stdout``), a whole line at a time. Never
+    raises: a forwarding thread that died would leave its rank blocked on a full pipe."""
+
+    def __init__(self, name: str, stream=None):
+        self.name = name  # our own lines: "[launch] ..." or "[spawn] ..."
+        self.stream = sys.stdout if stream is None else stream
+        self.lock = threading.Lock()
+
+    def write(self, data: bytes) -> None:
+        with self.lock, contextlib.suppress(Exception):
+            buffer = getattr(self.stream, "buffer", None)
+            if buffer is None:  # a text-only stream, e.g. a notebook's
+                self.stream.write(data.decode(errors="replace"))
+            else:
+                self.stream.flush()  # text written before goes first
+                buffer.write(data)
+                buffer.flush()
+            self.stream.flush()
+
+    def say(self, text: str) -> None:
+        self.write(f"[{self.name}] {text}\n".encode())
+
+
+def _forward(rank: int, pipe, out: Output) -> None:
+    prefix = f"[rank {rank}] ".encode()
+    line_start = True
+    with pipe:
+        for chunk in iter(lambda: pipe.readline(1 << 16), b""):
+            if line_start and not chunk.startswith(b"[rank"):  # jaxdist.train prefixes its own
+                chunk = prefix + chunk
+            line_start = chunk.endswith(b"\n")
+            out.write(chunk)
+    if not line_start:
+        out.write(b"\n")
+
+
+def _dying_with_us(command: list[str]) -> list[str]:
+    """``command`` run through a small interpreter that asks Linux for SIGKILL when the
+    thread starting it dies, then execs the command (the request survives exec). Not a
+    ``preexec_fn``: that forces a real fork() of our multithreaded (JAX) process, which
+    can deadlock the child before it execs. Elsewhere the guard alone covers it."""
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-I", "-S", "-c", DIE_WITH_PARENT, str(os.getpid()), *command]
+
+
+class Group:
+    """``nproc`` processes of ``command``, rank r with ``rank_env(r, ...)``."""
+
+    def __init__(self, command: list[str], nproc: int, out: Output, **env_options):
+        self.out = out
+        self.exits: queue.SimpleQueue[Exit] = queue.SimpleQueue()
+        self.procs: list[subprocess.Popen] = []
+        self.threads: list[threading.Thread] = []
+        self.empty: set[int] = set()  # process groups known to be empty: never signalled
+        self.guard = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", GUARD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C or hang-up of our terminal does not reach it
+        )
+        port = free_port()
+        try:
+            for rank in range(nproc):
+                self._start(rank, command, rank_env(rank, nproc, port, **env_options))
+        except BaseException:
+            self.end(0)
+            raise
+
+    def _start(self, rank: int, command: list[str], env: dict[str, str]) -> None:
+        proc = subprocess.Popen(
+            _dying_with_us(command),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, children included
+        )
+        self.procs.append(proc)
+        self._tell_guard(f"add {proc.pid}")
+        for target, args in ((_forward, (rank, proc.stdout, self.out)), (self._reap, (rank, proc))):
+            thread = threading.Thread(target=target, args=args, daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def _reap(self, rank: int, proc: subprocess.Popen) -> None:
+        proc.wait()
+        try:
+            os.killpg(proc.pid, 0)  # children left behind keep the pid from being reused
+        except ProcessLookupError:  # none: the pid may be reused, never signal it again
+            self.empty.add(proc.pid)
+        except PermissionError:
+            pass
+        self.exits.put(Exit(rank, proc.returncode))
+
+    def _tell_guard(self, line: str) -> None:
+        with contextlib.suppress(OSError, ValueError):  # a guard killed by someone else
+            self.guard.stdin.write(f"{line}\n".encode())
+            self.guard.stdin.flush()
+
+    def first_failure(self, timeout: float | None = None) -> Exit | None:
+        """Blocks until every process has exited 0 (None) or one has failed: the first
+        to fail, by time. Raises TimeoutError after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in self.procs:
+            done = self._next_exit(deadline)
+            if done.returncode:
+                return done
+        return None
+
+    def _next_exit(self, deadline: float | None) -> Exit:
+        while True:
+            try:
+                return self.exits.get(timeout=0.2)  # short waits: Ctrl-C gets through
+            except queue.Empty:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError from None
+
+    def wait_exited(self, seconds: float) -> bool:
+        """True once every process has exited; False if some still run after ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while any(proc.returncode is None for proc in self.procs):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def end(self, grace: float) -> None:
+        """SIGTERM to every rank's process group, SIGKILL after ``grace`` s (also to the
+        children a rank that has exited left behind); then dismisses the guard."""
+        self._signal(signal.SIGTERM)
+        self.wait_exited(grace)
+        self._signal(signal.SIGKILL)
+        self.wait_exited(KILL_WAIT_S)
+        for thread in self.threads:
+            thread.join(timeout=1)  # the last lines of output
+        self._tell_guard("done")
+        with contextlib.suppress(OSError):
+            self.guard.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.guard.wait(timeout=KILL_WAIT_S)
+
+    def _signal(self, sig: int) -> None:
+        for proc in self.procs:
+            if proc.pid not in self.empty:
+                with contextlib.suppress(OSError):  # the group is empty: nothing to end
+                    os.killpg(proc.pid, sig)
+
+
+def run(
+    command: list[str],
+    nproc: int,
+    out: Output,
+    *,
+    grace: float = 5.0,
+    timeout: float | None = None,
+    **env_options,
+) -> Exit | None:
+    """Runs the group to its end: None when every process exited 0, else the first
+    failure, by time, once the others are ended. Ctrl-C (KeyboardInterrupt) and, after
+    ``timeout`` s, TimeoutError end them all and propagate."""
+    group = Group(command, nproc, out, **env_options)
+    try:
+        first = group.first_failure(timeout)
+        if first is not None and first.preempted:
+            out.say(f"{first}: the others get {grace:g}s to stop at the same step")
+            group.wait_exited(grace)
+        elif first is not None:
+            out.say(f"{first}: ending the other processes")
+        return first
+    except KeyboardInterrupt:
+        out.say("interrupted: ending all processes")
+        raise
+    except TimeoutError:
+        out.say(f"not finished after {timeout:g}s: ending all processes")
+        raise
+    finally:
+        group.end(grace)

@@ -1,0 +1,248 @@
+"""The launcher when things go wrong: bytes that are not UTF-8, the launcher itself killed
+or hung up, a rank killed mid-training, several failures in a row, a preemption, and
+SIGTERM reaching a rank after jax.distributed.initialize.
+
+Every test bounds its own time and, in the fixture's teardown, SIGKILLs every process it
+ever saw below its launcher."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import alive
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+ENV.pop("JAX_NUM_CPU_DEVICES", None)  # each command's own flags decide its device count
+
+
+def parents() -> dict[int, int]:
+    """pid -> parent pid of every process on the machine (Linux /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            found[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return found
+
+
+def rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"JAXDIST_PROCESS_ID="):
+            return int(item.split(b"=", 1)[1])
+    return None
+
+
+class Launcher:
+    """``python -m jaxdist.launch ARGS``, its output to a file (a pipe nobody read would
+    fill and block it), and every process ever seen below it."""
+
+    def __init__(self, tmp_path: Path, *args: str):
+        self.log = tmp_path / "launch.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "jaxdist.launch", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=ENV,
+            )
+        self.seen: set[int] = set()
+
+    def below(self) -> set[int]:
+        """The launcher's descendants now (also remembered for the teardown)."""
+        tree, found, todo = parents(), set(), [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            children = {child for child, parent in tree.items() if parent == pid}
+            found |= children
+            todo.extend(children)
+        self.seen |= found
+        return found
+
+    def ranks(self) -> dict[int, int]:
+        return {rank_of(pid): pid for pid in self.below() if rank_of(pid) is not None}
+
+    def output(self) -> bytes:
+        return self.log.read_bytes()
+
+    def text(self) -> str:
+        return self.output().decode(errors="replace")
+
+    def wait_for(self, condition, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"launcher ended waiting for {what}: {self.text()}"
+            assert time.monotonic() < deadline, f"no {what} in {timeout}s: {self.text()[-3000:]}"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.below()
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        for pid in self.seen:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    started: list[Launcher] = []
+
+    def start(*args: str) -> Launcher:
+        started.append(Launcher(tmp_path, *args))
+        return started[-1]
+
+    yield start
+    for one in started:
+        one.close()
+
+
+def gone_within(pids, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def script(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_bytes_that_are_not_utf8_are_forwarded(tmp_path, launcher):
+    job = script(
+        tmp_path,
+        "latin1.py",
+        "import sys\nout = sys.stdout.buffer\n"
+        "out.write(b'caf\\xe9 \\xff in Latin-1\\n')\n"
+        "for i in range(5000):  # 500 kB: more than a pipe holds, were nobody reading\n"
+        "    out.write(b'x' * 99 + b'\\n')\n"
+        "out.flush()\nsys.exit(3)\n",
+    )
+    run = launcher("--nproc", "1", "--", sys.executable, job)
+    assert run.proc.wait(timeout=30) == 3, run.text()[-2000:]
+    out = run.output()
+    assert b"[rank 0] caf\xe9 \xff in Latin-1\n" in out
+    assert out.count(b"[rank 0] " + b"x" * 99 + b"\n") == 5000
+    assert "rank 0 failed with exit code 3" in run.text()
+
+
+GRANDPARENT = """import subprocess, sys, time
+subprocess.Popen(["sleep", "600"])  # a grandchild of the launcher, in the rank's group
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    ("sig", "code"), [(signal.SIGKILL, -9), (signal.SIGHUP, 129), (signal.SIGTERM, 143)]
+)
+def test_the_group_dies_with_the_launcher(tmp_path, launcher, sig, code):
+    run = launcher("--nproc", "2", "--", sys.executable, script(tmp_path, "job.py", GRANDPARENT))
+    run.wait_for(lambda: run.text().count("ready") == 2, 30, "2 ready lines")
+    run.wait_for(lambda: len(run.below()) >= 4, 10, "2 ranks and 2 grandchildren")
+    pids = run.below()
+    run.proc.send_signal(sig)
+    assert run.proc.wait(timeout=10) == code, run.text()
+    assert gone_within(pids, 5), [pid for pid in pids if alive(pid)]
+
+
+BLOCKED_IN_A_COLLECTIVE = """import os, pathlib, sys, time
+import jaxdist
+info = jaxdist.initialize()
+if info.process_index == 0:
+    pathlib.Path(sys.argv[1], "pid").write_text(str(os.getpid()))
+    jaxdist.barrier("rank 1 never comes")  # waits in XLA, not in Python
+time.sleep(600)
+"""
+
+
+def test_sigterm_ends_a_rank_blocked_in_a_collective(tmp_path, launcher):
+    job = script(tmp_path, "job.py", BLOCKED_IN_A_COLLECTIVE)
+    run = launcher(
+        "--nproc", "2", "--cpu-devices-per-proc", "1", "--grace", "60", "--",
+        sys.executable, job, str(tmp_path),
+    )  # fmt: skip
+    run.wait_for((tmp_path / "pid").exists, 60, "rank 0 at its barrier")
+    time.sleep(3)  # into the barrier's wait
+    pids = run.below()
+    os.kill(int((tmp_path / "pid").read_text()), signal.SIGTERM)
+    assert run.proc.wait(timeout=10) == 143, run.text()[-3000:]
+    assert "rank 0 failed with exit code 143: it was ended by SIGTERM" in run.text()
+    assert gone_within(pids, 5)
+
+
+TRAIN = ["-m", "jaxdist.train", "--steps", "100000", "--log-every", "1"]
+TRAIN += ["--global-batch-size", "32", "--hidden", "32", "--heartbeat-timeout", "60"]
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_killed_mid_training_ends_the_group_at_once(tmp_path, launcher, victim):
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    run = launcher(
+        "--nproc", "2", "--cpu-devices-per-proc", "2", "--grace", "60", "--",
+        sys.executable, *TRAIN, "--run-dir", str(tmp_path / "run"),
+    )  # fmt: skip
+    logged = lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3  # noqa: E731
+    run.wait_for(logged, 120, "3 logged steps")
+    ranks = run.ranks()
+    assert sorted(ranks) == [0, 1], ranks
+    pids = run.below()
+    os.kill(ranks[victim], signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert run.proc.wait(timeout=30) == 137, run.text()[-3000:]
+    assert time.monotonic() - killed_at < 5, "waited out --grace"
+    assert gone_within(pids, 1)
+    assert f"rank {victim} failed with exit code 137: it was killed by SIGKILL" in run.text()
+
+
+def exits_at(tmp_path: Path, plan: dict[int, tuple[float, int]], say: str = "") -> str:
+    """A job in which rank r exits with code c at wall-clock time start + t, where
+    plan[r] = (t, c); ``start`` is 2 s from now, so that every rank has started."""
+    start = time.time() + 2
+    return script(
+        tmp_path,
+        "job.py",
+        f"import os, sys, time\nrank = int(os.environ['JAXDIST_PROCESS_ID'])\n"
+        f"at, code = {plan!r}[rank]\ntime.sleep(max(0, {start} + at - time.time()))\n"
+        f"print({say!r}.format(rank=rank), flush=True)\nsys.exit(code)\n",
+    )
+
+
+@pytest.mark.parametrize("gap", [1.0, 0.05])
+def test_the_first_rank_to_fail_is_named(tmp_path, launcher, gap):
+    """Rank 1 fails first; rank 0 would fail ``gap`` s later (polling every 0.1 s, as the
+    launcher did, sees both at once when the gap is small, and named the lower rank)."""
+    job = exits_at(tmp_path, {1: (0.5, 4), 0: (0.5 + gap, 3)})
+    run = launcher("--nproc", "2", "--", sys.executable, job)
+    assert run.proc.wait(timeout=30) == 4, run.text()
+    assert "[launch] rank 1 failed with exit code 4" in run.text()
+    assert "rank 0 failed" not in run.text()
+
+
+def test_a_preempted_rank_lets_the_others_stop_by_themselves(tmp_path, launcher):
+    job = exits_at(tmp_path, {1: (0.0, 75), 0: (1.0, 75)}, say="rank {rank} stopping")
+    run = launcher("--nproc", "2", "--grace", "10", "--", sys.executable, job)
+    assert run.proc.wait(timeout=30) == 75, run.text()
+    text = run.text()
+    assert "[launch] rank 1 stopped for preemption (exit 75)" in text
+    assert "[rank 0] rank 0 stopping" in text  # not ended by the launcher
+    assert "failed" not in text
