@@ -93,6 +93,10 @@ class TrainConfig:
     run_dir: str = ""  # "" -> runs/<model>-<strategy>-<time>
     cpu_devices: int = 0  # >0: emulate this many CPU devices (set before jax starts)
     num_devices: int = 0  # >0: use only the first N devices; 0: all
+    # the mesh, "data=2,fsdp=2,model=2" (axes data, stage, fsdp, model; one may be -1);
+    # "": every device on data. Axes beyond data need --strategy gspmd.
+    mesh: str = ""
+    rules: str = ""  # YAML file of [regex on a param path, [axis or null per dim]] pairs
     save_params: str = ""  # write the final params to this .npz (process 0)
     eval_every: int = 0  # run the held-out set every N steps and at the end; 0 = never
     eval_batch_size: int = 0  # global; 0 = global_batch_size

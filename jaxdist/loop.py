@@ -103,7 +103,9 @@ def log_values(run: Run, state, metrics, step, steps_since, waited_s, t_last) ->
 def evaluate(run: Run, state) -> dict[str, float]:
     """The held-out metrics: every example counted once (padding masked), on any mesh."""
     cfg = run.config.train
-    sampler = jaxdist.EvalSampler(len(run.data.eval), cfg.eval_batch_size or cfg.global_batch_size)
+    sampler = jaxdist.EvalSampler(
+        len(run.data.eval), cfg.eval_batch_size or cfg.global_batch_size, mesh=run.mesh
+    )
     totals: dict[str, float] = {}
     for host_batch in data_lib.eval_batches(run.data.eval, sampler):
         sums = run.dp.evaluate(state, jaxdist.shard_batch(host_batch, run.mesh))

@@ -14,6 +14,7 @@ from flax import linen, nnx
 
 from jaxdist.adapt import as_nnx, model_copy, split_model
 from jaxdist.errors import ModelError
+from jaxdist.layout import path_name
 from jaxdist.step import make_loss, new_state
 from jaxdist.strategies import Layout
 
@@ -21,20 +22,28 @@ from jaxdist.strategies import Layout
 class ModelSource:
     def __init__(self, model, tx, layout: Layout, example_input, *, seed, linen_train_arg):
         self._make, self._args = _maker(model, example_input, seed, linen_train_arg)
-        abstract = nnx.eval_shape(self._make, *self._args)
+        with nnx.use_eager_sharding(False):  # annotated models: the layout decides placement
+            abstract = nnx.eval_shape(self._make, *self._args)
         self.train_graphdef, *self._abstract_state = split_model(
             model_copy(abstract, training=True, warn=True)
         )
         self.eval_graphdef = split_model(model_copy(abstract, training=False))[0]
         params = self._abstract_state[0]
         # Names of the parameter leaves in jax.tree.leaves order ("blocks/0/attn/kernel").
-        self.leaf_paths = [_path_name(path) for path, _ in jax.tree.leaves_with_path(params)]
+        self.leaf_paths = [path_name(path) for path, _ in jax.tree.leaves_with_path(params)]
 
         def init(*args):
-            _, params, stats, rngs = split_model(model_copy(self._make(*args), training=True))
+            with nnx.use_eager_sharding(False):
+                made = self._make(*args)
+            _, params, stats, rngs = split_model(model_copy(made, training=True))
             return layout.expand(new_state(params, stats, rngs, tx))
 
-        self._init = jax.jit(init, out_shardings=layout.sharding)
+        # The state's layout (layout.state_shardings under gspmd): init makes each array
+        # directly in its shards, so no device ever holds a whole copy of a sharded state.
+        self.state_sharding = layout.shardings(
+            jax.eval_shape(lambda *parts: new_state(*parts, tx), *self._abstract_state)
+        )
+        self._init = jax.jit(init, out_shardings=self.state_sharding)
 
     def init_state(self):
         return self._init(*self._args)
@@ -67,10 +76,3 @@ def _maker(model, example_input, seed: int, linen_train_arg):
         f"expected a flax.nnx.Module, a flax.linen.Module or a function returning one, "
         f"got {type(model).__name__}"
     )
-
-
-def _path_name(path) -> str:
-    parts = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
-    if parts and parts[-1] == "value":  # the array inside an nnx.Variable
-        parts = parts[:-1]
-    return "/".join(map(str, parts))

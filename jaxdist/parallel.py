@@ -3,6 +3,7 @@ loss function. It builds the one pure step and wires it to devices by strategy."
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -11,16 +12,17 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxdist import axes, health, strategies
+from jaxdist import axes, health, layout, strategies
 from jaxdist.config import ConfigError
 from jaxdist.model_source import ModelSource
 from jaxdist.sharding import make_mesh
 from jaxdist.step import StepOptions, TrainState, make_eval_step, make_train_step
-from jaxdist.strategies import local_value, scalars
+from jaxdist.strategies import host_value, scalars
 
 
 class DataParallel:
-    """Data-parallel training of one model over the ``data`` axis of a mesh.
+    """Training of one model over a mesh: data parallel over ``data`` (and ``fsdp``); under
+    gspmd, the state laid out by ``jaxdist.layout.state_shardings`` (fsdp, model axes).
 
     Args:
       model: an ``nnx.Module``, a ``linen.Module`` (with ``example_input``), or a function
@@ -75,12 +77,14 @@ class DataParallel:
         sync_batch_stats: bool = False,
         nan_policy: str = "halt",
         batch_check: Callable | None = None,
+        rules=None,
+        logical_rules: dict | None = None,
     ):
         if nan_policy not in health.POLICIES:
             raise ConfigError(f"nan_policy: {nan_policy!r} is not one of halt, skip")
         self.mesh = make_mesh() if mesh is None else mesh
         self.strategy = strategy
-        self.layout = strategies.layout(strategy, self.mesh)
+        self.layout = strategies.layout(strategy, self.mesh, rules, logical_rules)
         self.nan_policy = nan_policy
         self.sync_batch_stats = sync_batch_stats
         self.axis_bindings: dict[str, str] = {}  # the model's axis names -> what they mean
@@ -91,6 +95,11 @@ class DataParallel:
         self._loss_fn, self._eval_fn, self._tx = loss_fn, eval_fn or _no_eval_fn, optimizer
         self._options = StepOptions(grad_accum, seed, schedule, nan_policy, batch_check)
         self._wired: strategies.Wired | None = None  # on first use: needs the batch shapes
+
+    @property
+    def state_sharding(self):
+        """Where each array of the state lives (``jaxdist.layout.state_shardings``)."""
+        return self._source.state_sharding
 
     def init_state(self) -> TrainState:
         """The initial state on the devices, in this strategy's layout: made by one compiled
@@ -123,7 +132,8 @@ class DataParallel:
         return self._source.lower_init()
 
     def unreplicate(self, state: TrainState) -> TrainState:
-        """One copy of the state (pmap keeps one per device)."""
+        """One whole copy of the state (pmap keeps one per device; sharded arrays are
+        gathered), readable on every process."""
         return self.layout.one_copy(state)
 
     def metrics(self, metrics) -> dict[str, float]:
@@ -133,7 +143,7 @@ class DataParallel:
     def host_params(self, state: TrainState) -> dict[str, np.ndarray]:
         """The parameters as numpy on this host, keyed by path ("layers/0/kernel")."""
         flat = nnx.to_flat_state(self.unreplicate(state).params)
-        return {"/".join(map(str, path)): local_value(var.get_value()) for path, var in flat}
+        return {"/".join(map(str, path)): host_value(var.get_value()) for path, var in flat}
 
     def merge(self, state: TrainState) -> nnx.Module:
         """The trained model as an ``nnx.Module`` in eval mode (dropout off, running
@@ -161,9 +171,14 @@ class DataParallel:
         options = StepOptions(
             **{**vars(self._options), "axis_name": axis_name, "trivial_axes": tuple(trivial)}
         )
+        if self.strategy == "gspmd" and self.mesh.shape.get("fsdp", 1) > 1:
+            use_params = layout.fsdp_use(self.state_sharding.params)
+            options = dataclasses.replace(options, use_params=use_params)
         train_step = make_train_step(self._source.train_graphdef, self._loss_fn, self._tx, options)
         eval_step = make_eval_step(self._source.eval_graphdef, self._eval_fn, options)
-        return strategies.wire(self.strategy, train_step, eval_step, self.mesh, axis_name)
+        return strategies.wire(
+            self.strategy, train_step, eval_step, self.mesh, axis_name, self.state_sharding
+        )
 
     def _example_rows(self, batch):
         """Abstract rows as one loss call sees them: per device (pmap, shard_map) and per

@@ -3,8 +3,10 @@
 
 Training: a global order (a permutation of the dataset from (seed, epoch)) is cut into
 global batches of G examples: step k takes positions [k*G, (k+1)*G) of that order.
-Process p takes its contiguous G/P share, and ``shard_batch`` gives each of its devices
-a contiguous share of that. So the global batch at step k does not depend on the process
+Data-parallel rank r of R (the process index on a data-only mesh; processes holding one
+model replica together share a rank, given ``mesh=``) takes its contiguous G/R share,
+and ``shard_batch`` gives each of its batch shards a contiguous share of that.
+So the global batch at step k does not depend on the process
 or device count, no example repeats or is lost within an epoch, and resuming at step k
 needs nothing but k.
 """
@@ -18,12 +20,21 @@ import numpy as np
 from jaxdist.errors import JaxdistError
 
 
-def _this_process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
-    if process_index is None or process_count is None:
-        import jax
+def _this_process(
+    process_index: int | None, process_count: int | None, mesh=None
+) -> tuple[int, int]:
+    """(data-parallel rank, rank count): given, from ``mesh`` (processes of one model
+    group share a rank and read the same rows), else the process index and count (the
+    same thing on a data-only mesh)."""
+    if process_index is not None and process_count is not None:
+        return process_index, process_count
+    if mesh is not None:
+        from jaxdist.sharding import data_parallel_rank
 
-        return jax.process_index(), jax.process_count()
-    return process_index, process_count
+        return data_parallel_rank(mesh)
+    import jax
+
+    return jax.process_index(), jax.process_count()
 
 
 def _check_share(global_batch_size: int, process_count: int, what: str) -> int:
@@ -62,8 +73,10 @@ class DistributedSampler:
         last_batch: Literal["drop", "wrap"] = "drop",
         process_index: int | None = None,
         process_count: int | None = None,
+        mesh=None,
     ):
-        self.process_index, self.process_count = _this_process(process_index, process_count)
+        # The data-parallel rank and count (see _this_process), not always the process's.
+        self.process_index, self.process_count = _this_process(process_index, process_count, mesh)
         self.share = _check_share(global_batch_size, self.process_count, "global batch")
         if num_examples < global_batch_size:
             raise JaxdistError(
@@ -189,8 +202,9 @@ class EvalSampler:
         *,
         process_index: int | None = None,
         process_count: int | None = None,
+        mesh=None,
     ):
-        self.process_index, self.process_count = _this_process(process_index, process_count)
+        self.process_index, self.process_count = _this_process(process_index, process_count, mesh)
         self.share = _check_share(global_batch_size, self.process_count, "eval batch")
         if num_examples < 1:
             raise JaxdistError("the held-out set is empty")

@@ -1,6 +1,9 @@
-"""The mesh, and the one seam between host numpy and global device arrays."""
+"""The mesh (named axes data, stage, fsdp, model), the data-parallel rank, and the one
+seam between host numpy and global device arrays."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import numpy as np
@@ -9,56 +12,162 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import JaxdistError
 
-DATA = "data"  # the mesh axis that batches are split over
-BATCH_SPEC = P(DATA)
+DATA = "data"  # the mesh axis that batches are split over (with fsdp)
+AXES = ("data", "stage", "fsdp", "model")  # outermost to innermost
+BATCH_AXES = ("data", "fsdp")  # batch rows are split over both; replicated over the others
+BATCH_SPEC = P(BATCH_AXES)
 
 
 class DeviceCountError(JaxdistError):
     pass
 
 
-def make_mesh(data: int = -1, *, devices=None) -> Mesh:
-    """A 1-D mesh with axis ``"data"`` over the first ``data`` devices (-1: all).
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=2,fsdp=2,model=2"`` -> {"data": 2, "fsdp": 2, "model": 2}; "" -> {}."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in AXES or not value.strip().lstrip("-").isdigit():
+            raise JaxdistError(
+                f"--mesh {text!r}: {part!r} is not AXIS=SIZE with AXIS one of {', '.join(AXES)}"
+            )
+        sizes[name] = int(value)
+    return sizes
+
+
+def mesh_devices(sizes: dict[str, int], devices) -> np.ndarray:
+    """``devices`` (process-major) as an array of shape (data, stage, fsdp, model): the
+    innermost axes take consecutive devices, so a ``model`` group (then fsdp, stage) stays
+    inside one process when it fits. ``sizes`` may hold one -1; the product must be the
+    number of devices."""
+    devices = sorted(devices, key=lambda d: d.process_index)  # stable: keeps jax's order
+    shape = [sizes.get(axis, 1) for axis in AXES]
+    if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+        raise DeviceCountError(f"mesh {_show(sizes)}: sizes must be >= 1, at most one -1")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if len(devices) % known:
+            raise DeviceCountError(
+                f"mesh {_show(sizes)}: {len(devices)} devices do not split into groups of {known}"
+            )
+        shape[shape.index(-1)] = len(devices) // known
+    if math.prod(shape) != len(devices):
+        raise DeviceCountError(
+            f"mesh {_show(sizes)} has {math.prod(shape)} devices but {len(devices)} are used "
+            f"({devices[0].platform}); the product of the axis sizes must be the device count"
+        )
+    return np.array(devices, dtype=object).reshape(shape)
+
+
+def make_mesh(
+    data: int = -1, *, fsdp: int = 1, model: int = 1, stage: int = 1, devices=None
+) -> Mesh:
+    """A mesh with axes ("data", "stage", "fsdp", "model"); size-1 axes cost nothing.
 
     Example::
 
-        mesh = jaxdist.make_mesh()        # every device: Mesh('data': 8)
-        mesh = jaxdist.make_mesh(data=4)  # the first 4 devices
+        mesh = jaxdist.make_mesh()                   # every device on "data"
+        mesh = jaxdist.make_mesh(data=4)             # the first 4 devices, data only
+        mesh = jaxdist.make_mesh(data=2, fsdp=2, model=2)  # 8 devices
+        mesh = jaxdist.make_mesh(fsdp=-1, model=2)   # all devices, fsdp = N / 2
 
-    Built from ``Mesh`` with Auto axes: ``jax.make_mesh`` silently drops devices that do
-    not fit its shape, and its default Explicit axes reject the grad-accum reshape of a
-    sharded batch at trace time."""
+    With only ``data`` given, it may use the first ``data`` devices; otherwise the product
+    of the sizes (one may be -1) must equal the number of devices. Built from ``Mesh``
+    with Auto axes: ``jax.make_mesh`` silently drops devices that do not fit its shape,
+    and its default Explicit axes reject the grad-accum reshape of a sharded batch."""
     devices = list(jax.devices() if devices is None else devices)
-    count = len(devices) if data == -1 else data
-    if not 1 <= count <= len(devices):
-        raise DeviceCountError(
-            f"{count} devices requested but only {len(devices)} exist "
-            f"({devices[0].platform}); use --cpu-devices {count} to emulate CPU devices"
-        )
-    return Mesh(np.array(devices[:count]), (DATA,), axis_types=(AxisType.Auto,))
+    sizes = {"data": data, "stage": stage, "fsdp": fsdp, "model": model}
+    if fsdp == model == stage == 1 and data != -1:  # the first N devices, as before
+        if not 1 <= data <= len(devices):
+            raise DeviceCountError(
+                f"{data} devices requested but only {len(devices)} exist "
+                f"({devices[0].platform}); use --cpu-devices {data} to emulate CPU devices"
+            )
+        devices = devices[:data]
+    array = mesh_devices(sizes, devices)
+    return Mesh(array, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
-def shard_batch(host_batch, mesh: Mesh | None = None, spec: P = BATCH_SPEC):
-    """Host-local numpy (this process's rows) -> global ``jax.Array`` split over ``data``.
+def _show(sizes: dict[str, int]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "data=1"
 
-    With P processes each holding G/P rows, the result has G rows, each device holding
-    G/N of them: x (G/P, ...) per process -> (G, ...) global. ``mesh`` defaults to all
-    devices (``make_mesh()``). Works the same for every strategy.
+
+def axis_size(mesh: Mesh, axes) -> int:
+    """The number of shards along ``axes`` (a name, a tuple of names or None)."""
+    if axes is None:
+        return 1
+    names = (axes,) if isinstance(axes, str) else axes
+    return math.prod(mesh.shape.get(a, 1) for a in names)
+
+
+def batch_spec(mesh: Mesh) -> P:
+    """Batch rows over ("data", "fsdp") together (a 1-D ``data`` mesh: over ``data``)."""
+    return P(tuple(a for a in BATCH_AXES if a in mesh.axis_names))
+
+
+def data_parallel_rank(mesh: Mesh, process_index: int | None = None) -> tuple[int, int]:
+    """(rank, count): which contiguous block of the global batch this process loads, and
+    how many such blocks there are. Processes whose devices hold the same rows (one model
+    group spread over processes) share a rank and load the same rows. With a data-only
+    mesh this is (process index, process count)."""
+    process_index = jax.process_index() if process_index is None else process_index
+    rows = batch_blocks_by_process(mesh)
+    groups = sorted(set(rows.values()))
+    first = groups[0]
+    for block in groups:
+        if len(block) != len(first) or block != tuple(range(block[0], block[0] + len(block))):
+            raise JaxdistError(
+                f"the mesh {dict(mesh.shape)} gives processes uneven or scattered batch rows "
+                f"({[list(b) for b in groups]}); order the devices process by process"
+            )
+    return groups.index(rows[process_index]), len(groups)
+
+
+def batch_blocks_by_process(mesh: Mesh) -> dict[int, tuple[int, ...]]:
+    """process index -> the sorted batch blocks (positions along data x fsdp) its
+    devices hold."""
+    names = mesh.axis_names
+    blocks: dict[int, set[int]] = {}
+    for index, device in np.ndenumerate(mesh.devices):
+        at = dict(zip(names, index, strict=True))
+        block = 0
+        for axis in BATCH_AXES:
+            if axis in at:
+                block = block * mesh.shape[axis] + at[axis]
+        blocks.setdefault(device.process_index, set()).add(block)
+    return {p: tuple(sorted(b)) for p, b in blocks.items()}
+
+
+def shard_batch(host_batch, mesh: Mesh | None = None, spec: P | None = None):
+    """Host-local numpy (this data-parallel rank's rows) -> global ``jax.Array``, rows
+    split over ("data", "fsdp") and replicated over ``model`` and ``stage``.
+
+    With R data-parallel ranks (processes, or groups of processes sharing a model
+    replica; see ``data_parallel_rank``) each holding G/R rows, the result has G rows.
+    ``mesh`` defaults to all devices (``make_mesh()``). Works the same for every strategy.
 
     Example::
 
         batch = jaxdist.shard_batch({"x": x_np, "y": y_np}, mesh)  # x_np: (64, 32) numpy
     """
     mesh = make_mesh() if mesh is None else mesh
-    local_devices = mesh.local_mesh.size
+    spec = batch_spec(mesh) if spec is None else spec
+    local_blocks = len(batch_blocks_by_process(mesh)[jax.process_index()])
+    _, ranks = data_parallel_rank(mesh)
     for x in jax.tree.leaves(host_batch):
-        if np.shape(x)[0] % local_devices:
+        if np.shape(x)[0] % local_blocks:
             raise JaxdistError(
                 f"a host batch of {np.shape(x)[0]} rows does not split over this process's "
-                f"{local_devices} devices"
+                f"{local_blocks} batch shards"
             )
     sharding = NamedSharding(mesh, spec)
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), host_batch)
+
+    def put(x):
+        global_shape = (np.shape(x)[0] * ranks, *np.shape(x)[1:])
+        return jax.make_array_from_process_local_data(sharding, x, global_shape)
+
+    return jax.tree.map(put, host_batch)
 
 
 def replicate(tree, mesh: Mesh):

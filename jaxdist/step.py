@@ -56,6 +56,8 @@ class StepOptions:
     batch_check: Callable | None = None  # batch -> (B,) bool, True for a valid row
     axis_name: str = DATA  # the per-device data axis under pmap/shard_map
     trivial_axes: tuple[str, ...] = field(default=())  # model axis names bound to size 1
+    # gspmd with fsdp: params -> the layout they are used in (jaxdist.layout.gathered)
+    use_params: Callable | None = None
 
 
 def split_microbatches(batch, k: int):
@@ -102,7 +104,8 @@ def make_train_step(graphdef, loss_fn: Callable, tx, options: StepOptions = Step
 
     def grads_at(state, stats, batch, key):
         rng_state = reseeded(graphdef, state, key)
-        (loss, (metrics, stats)), grads = grad_fn(state.params, stats, rng_state, batch, key)
+        params = o.use_params(state.params) if o.use_params else state.params
+        (loss, (metrics, stats)), grads = grad_fn(params, stats, rng_state, batch, key)
         return loss, metrics, stats, grads
 
     def grads_and_loss(state, batch, key):

@@ -17,9 +17,10 @@ import numpy as np
 import jaxdist
 from jaxdist import config as config_lib
 from jaxdist import data as data_lib
-from jaxdist import rundir
+from jaxdist import rundir, strategies
 from jaxdist.config import Config, ConfigError
 from jaxdist.factories import import_object
+from jaxdist.layout import load_rules
 from jaxdist.loop import Run, loop
 from jaxdist.losses import default_eval, default_loss
 from jaxdist.models import model_factory, model_task
@@ -27,17 +28,19 @@ from jaxdist.optim import effective_lr, make_optimizer, make_schedule
 from jaxdist.preempt import EXIT_PREEMPTED, StopFlag
 from jaxdist.process import EXIT_PEER_FAILURE, exit_now
 from jaxdist.report import Reporter
+from jaxdist.sharding import BATCH_AXES, axis_size, parse_mesh
 
 # Seen alike by every process (bad input, a bad batch, a non-finite step): each reports it.
 STEP_ERRORS = (jaxdist.JaxdistError, jaxdist.NonFiniteError)
 
 
 def check_batch(global_batch_size: int, num_devices: int, grad_accum: int) -> int:
-    """Returns the per-device batch; errors name the numbers that do not divide."""
+    """Returns the per-device batch (``num_devices``: the batch shards, data x fsdp);
+    errors name the numbers that do not divide."""
     if global_batch_size % num_devices:
         raise ConfigError(
             f"--global-batch-size {global_batch_size} is not divisible by the "
-            f"{num_devices} devices; use a multiple of {num_devices}"
+            f"{num_devices} devices (batch shards); use a multiple of {num_devices}"
         )
     per_device = global_batch_size // num_devices
     if per_device % grad_accum:
@@ -46,6 +49,11 @@ def check_batch(global_batch_size: int, num_devices: int, grad_accum: int) -> in
             f"is not divisible by --grad-accum {grad_accum}"
         )
     return per_device
+
+
+def batch_shards(mesh) -> int:
+    """How many blocks the global batch is split into: data x fsdp."""
+    return axis_size(mesh, BATCH_AXES)
 
 
 def setup(config: Config, run_dir: Path | None = None) -> Run:
@@ -71,10 +79,12 @@ def setup(config: Config, run_dir: Path | None = None) -> Run:
             f"--num-devices {cfg.num_devices}: with {info.process_count} processes every "
             f"device takes part; use all {info.device_count}"
         )
-    mesh = jaxdist.make_mesh(data=cfg.num_devices or -1)
-    check_batch(cfg.global_batch_size, mesh.size, cfg.grad_accum)
+    mesh = make_mesh(cfg)
+    strategies.layout(cfg.strategy, mesh)  # pmap/shard_map refuse axes beyond data, now
+    shards = batch_shards(mesh)
+    check_batch(cfg.global_batch_size, shards, cfg.grad_accum)
     if cfg.eval_every:
-        check_batch(cfg.eval_batch_size or cfg.global_batch_size, mesh.size, 1)
+        check_batch(cfg.eval_batch_size or cfg.global_batch_size, shards, 1)
     # --- model factory, then data: checked before anything compiles
     task = model_task(config.model)
     model_factory(config.model, cfg.seed)  # its arguments checked before data is prepared
@@ -83,8 +93,12 @@ def setup(config: Config, run_dir: Path | None = None) -> Run:
     dp = make_step(config, task, data, mesh)
     state = dp.init_state()  # the model is built here, inside jax.jit
     # --- input: this process's rows of each global batch, on the devices ahead of use
-    sampler = jaxdist.DistributedSampler(
-        len(data.train), cfg.global_batch_size, seed=cfg.seed, last_batch=config.data.last_batch
+    sampler = jaxdist.DistributedSampler(  # this data-parallel rank's rows
+        len(data.train),
+        cfg.global_batch_size,
+        seed=cfg.seed,
+        last_batch=config.data.last_batch,
+        mesh=mesh,
     )
     batches = data_lib.Prefetcher(
         data_lib.host_batches(data.train, sampler),
@@ -100,6 +114,22 @@ def check_outputs(run_dir: Path | None, save_params: str) -> None:
         rundir.check_writable(run_dir, "--run-dir", is_dir=True)
     if save_params:
         rundir.check_writable(Path(save_params), "--save-params", is_dir=False)
+
+
+def make_mesh(cfg: config_lib.TrainConfig):
+    """``--mesh data=2,fsdp=2,model=2`` over all devices (or the first ``--num-devices``);
+    empty: every device on data. The product of the sizes must be the device count."""
+    sizes = parse_mesh(cfg.mesh)
+    if not sizes:
+        return jaxdist.make_mesh(data=cfg.num_devices or -1)
+    devices = jax.devices()[: cfg.num_devices] if cfg.num_devices else jax.devices()
+    mesh = jaxdist.make_mesh(**{"data": -1, **sizes}, devices=devices)
+    if mesh.size != len(devices):
+        raise ConfigError(
+            f"--mesh {cfg.mesh} has {mesh.size} devices but {len(devices)} are used; the "
+            "product of the axis sizes must be the device count"
+        )
+    return mesh
 
 
 def make_step(config: Config, task: str, data: data_lib.Data, mesh) -> jaxdist.DataParallel:
@@ -126,6 +156,7 @@ def make_step(config: Config, task: str, data: data_lib.Data, mesh) -> jaxdist.D
         sync_batch_stats=cfg.sync_batch_stats,
         nan_policy=cfg.nan_policy,
         batch_check=data.row_check,
+        rules=load_rules(cfg.rules) if cfg.rules else None,
     )
 
 
@@ -157,11 +188,11 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
     is_main = jaxdist.is_main_process()
     open_metrics = partial(rundir.create, run_dir, config) if write and is_main else None
     report = Reporter(open_metrics, cfg.steps, show=is_main and not quiet)
-    per_device = cfg.global_batch_size // run.mesh.size
+    per_device = cfg.global_batch_size // batch_shards(run.mesh)
     report.print(
         f"jaxdist: {cfg.strategy} on {run.mesh.size} {run.info.platform} device(s) in "
         f"{run.info.process_count} process(es); global batch {cfg.global_batch_size} = "
-        f"{run.mesh.size} x {per_device} (grad-accum {cfg.grad_accum}); effective lr "
+        f"{batch_shards(run.mesh)} x {per_device} (grad-accum {cfg.grad_accum}); effective lr "
         f"{run.peak_lr:.3g} ({config.optim.lr_scaling} scaling)"
         + (f"; run dir {run_dir}" if run_dir else "")
     )

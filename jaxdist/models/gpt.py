@@ -1,10 +1,43 @@
-"""A small decoder-only transformer over bytes: tokens (B, T) int32 -> logits (B, T, vocab)."""
+"""A small decoder-only transformer over bytes: tokens (B, T) int32 -> logits (B, T, vocab).
+
+Parameters carry logical axis names (``nnx.with_partitioning``), Megatron-style: qkv and
+fc column-parallel (embed, heads/mlp), proj and out row-parallel (heads/mlp, embed), the
+token embedding (vocab, embed). They change nothing by themselves: ``jaxdist.layout``
+maps them to mesh axes (a data-only mesh replicates everything). The model is built with
+flax's eager sharding off, so it can be built anywhere, with or without a mesh."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn import initializers
+from flax.nnx.nn.linear import default_bias_init, default_embed_init, default_kernel_init
+
+
+def _linear(d_in: int, d_out: int, axes: tuple[str, str], **kw) -> nnx.Linear:
+    """``nnx.Linear`` with the default initialisers, annotated: kernel ``axes``, bias the
+    output axis."""
+    return nnx.Linear(
+        d_in,
+        d_out,
+        kernel_init=nnx.with_partitioning(default_kernel_init, axes),
+        bias_init=nnx.with_partitioning(default_bias_init, (axes[1],)),
+        **kw,
+    )
+
+
+def _layer_norm(d: int, **kw) -> nnx.LayerNorm:
+    return nnx.LayerNorm(
+        d,
+        scale_init=nnx.with_partitioning(initializers.ones_init(), ("norm",)),
+        bias_init=nnx.with_partitioning(initializers.zeros_init(), ("norm",)),
+        **kw,
+    )
+
+
+def _embed(axes: tuple[str, str]):
+    return nnx.with_partitioning(default_embed_init, axes)
 
 
 class Block(nnx.Module):
@@ -12,12 +45,12 @@ class Block(nnx.Module):
         kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.n_heads = n_heads
         self.attention = attention  # None: JAX picks (cuDNN when it can); "cudnn"; "xla"
-        self.ln1 = nnx.LayerNorm(d_model, **kw)
-        self.qkv = nnx.Linear(d_model, 3 * d_model, **kw)
-        self.proj = nnx.Linear(d_model, d_model, **kw)
-        self.ln2 = nnx.LayerNorm(d_model, **kw)
-        self.fc = nnx.Linear(d_model, 4 * d_model, **kw)
-        self.out = nnx.Linear(4 * d_model, d_model, **kw)
+        self.ln1 = _layer_norm(d_model, **kw)
+        self.qkv = _linear(d_model, 3 * d_model, ("embed", "heads"), **kw)  # column-parallel
+        self.proj = _linear(d_model, d_model, ("heads", "embed"), **kw)  # row-parallel
+        self.ln2 = _layer_norm(d_model, **kw)
+        self.fc = _linear(d_model, 4 * d_model, ("embed", "mlp"), **kw)  # column-parallel
+        self.out = _linear(4 * d_model, d_model, ("mlp", "embed"), **kw)  # row-parallel
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, D)
         b, t, d = x.shape
@@ -44,17 +77,21 @@ class GPT(nnx.Module):
         attention: str | None = None,
         rngs: nnx.Rngs,
     ):
+        with nnx.use_eager_sharding(False):  # names only; jaxdist.layout places them
+            self._build(vocab_size, seq_len, d_model, n_layers, n_heads, dtype, attention, rngs)
+
+    def _build(self, vocab_size, seq_len, d_model, n_layers, n_heads, dtype, attention, rngs):
         kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.dtype = dtype
-        self.tok = nnx.Embed(vocab_size, d_model, **kw)
-        self.pos = nnx.Embed(seq_len, d_model, **kw)
+        self.tok = nnx.Embed(vocab_size, d_model, embedding_init=_embed(("vocab", "embed")), **kw)
+        self.pos = nnx.Embed(seq_len, d_model, embedding_init=_embed(("length", "embed")), **kw)
         self.blocks = nnx.List(
             [
                 Block(d_model, n_heads, dtype=dtype, attention=attention, rngs=rngs)
                 for _ in range(n_layers)
             ]
         )
-        self.ln_f = nnx.LayerNorm(d_model, **kw)
+        self.ln_f = _layer_norm(d_model, **kw)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:  # (B, T) -> (B, T, vocab)
         t = tokens.shape[1]

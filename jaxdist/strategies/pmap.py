@@ -10,7 +10,8 @@ from jaxdist.sharding import BATCH_SPEC
 from jaxdist.strategies import Wired
 
 
-def wire(train_step, eval_step, mesh, axis_name) -> Wired:
+def wire(train_step, eval_step, mesh, axis_name, state_sharding) -> Wired:
+    del state_sharding  # (N, ...) copies; strategies.layout refuses axes beyond data
     n = mesh.size
     devices = list(mesh.devices.flat)
     pstep = jax.pmap(train_step, axis_name=axis_name, devices=devices, donate_argnums=0)

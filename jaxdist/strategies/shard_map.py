@@ -1,4 +1,5 @@
-"""shard_map: ``jax.jit(jax.shard_map(step))``; batch split on the data axis, state ``P()``.
+"""shard_map: ``jax.jit(jax.shard_map(step))``; batch split on the data axis, state ``P()``
+(a mesh with fsdp, model or stage axes is refused: use gspmd).
 
 The step runs per device on its rows and averages with ``lax.pmean`` over the data axis.
 ``check_vma=False`` keeps per-device autodiff (as pmap): with the default
@@ -14,10 +15,11 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.strategies import Wired
 
 
-def wire(train_step, eval_step, mesh, axis_name) -> Wired:
+def wire(train_step, eval_step, mesh, axis_name, state_sharding) -> Wired:
+    del state_sharding  # replicated: strategies.layout refuses axes beyond data
     # The same devices in the same order, the data axis named as the step expects (the
     # model's own name under SyncBatchNorm): inputs need no resharding.
-    mesh = Mesh(mesh.devices, (axis_name,), axis_types=mesh.axis_types)
+    mesh = Mesh(mesh.devices.reshape(-1), (axis_name,), axis_types=mesh.axis_types[:1])
 
     def per_device(fn, out_specs):
         return jax.shard_map(
