@@ -30,8 +30,8 @@ def linear(x, p):
 
 def block(x, p, n_heads: int, attention: str | None):
     b, t, d = x.shape
-    q, k, v = jnp.split(linear(layer_norm(x, p["ln1"]), p["qkv"]), 3, axis=-1)
-    heads = [a.reshape(b, t, n_heads, d // n_heads) for a in (q, k, v)]  # (B, T, H, D/H)
+    qkv = linear(layer_norm(x, p["ln1"]), p["qkv"]).reshape(b, t, n_heads, 3, d // n_heads)
+    heads = [qkv[:, :, :, i] for i in range(3)]  # q, k, v: (B, T, H, D/H), per-head columns
     att = jax.nn.dot_product_attention(*heads, is_causal=True, implementation=attention)
     x = x + linear(att.reshape(b, t, d), p["proj"])
     return x + linear(jax.nn.gelu(linear(layer_norm(x, p["ln2"]), p["fc"])), p["out"])

@@ -18,7 +18,7 @@ The public API (PyTorch names in brackets)::
 from jaxdist.adapt import as_nnx
 from jaxdist.errors import JaxdistError, ModelError
 from jaxdist.health import BadBatchError, NonFiniteError
-from jaxdist.parallel import DataParallel
+from jaxdist.parallel import DataParallel, Parallel
 from jaxdist.process import ProcessInfo, barrier, initialize, is_main_process, print_main
 from jaxdist.replicas import mean_over_replicas, replica_index, step_key, sum_over_replicas
 from jaxdist.sampler import DistributedSampler, EvalSampler
@@ -36,6 +36,7 @@ __all__ = [
     "JaxdistError",
     "ModelError",
     "NonFiniteError",
+    "Parallel",
     "ProcessInfo",
     "SpawnError",
     "TrainState",

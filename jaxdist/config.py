@@ -49,6 +49,10 @@ class ModelConfig:
     n_heads: int = 4
     # attention kernel: auto = cuDNN flash attention where it applies (GPU, bf16), else XLA
     attention: Literal["auto", "cudnn", "xla"] = "auto"
+    # hold the blocks stacked, (n_layers, ...), run by one scan (always with --mesh stage=S)
+    scan_layers: bool = False
+    # activation checkpointing of each block: none | block (keep matmul outputs) | full
+    remat: Literal["none", "block", "full"] = "none"
 
 
 @dataclass
@@ -94,9 +98,11 @@ class TrainConfig:
     cpu_devices: int = 0  # >0: emulate this many CPU devices (set before jax starts)
     num_devices: int = 0  # >0: use only the first N devices; 0: all
     # the mesh, "data=2,fsdp=2,model=2" (axes data, stage, fsdp, model; one may be -1);
-    # "": every device on data. Axes beyond data need --strategy gspmd.
+    # "": every device on data. pmap takes data only.
     mesh: str = ""
     rules: str = ""  # YAML file of [regex on a param path, [axis or null per dim]] pairs
+    # pipeline (--mesh stage=S): microbatches of the GPipe schedule; 0 = 4 x S
+    microbatches: int = 0
     save_params: str = ""  # write the final params to this .npz (process 0)
     eval_every: int = 0  # run the held-out set every N steps and at the end; 0 = never
     eval_batch_size: int = 0  # global; 0 = global_batch_size

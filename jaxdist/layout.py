@@ -2,12 +2,14 @@
 training state lives on the mesh, ``state_shardings(abstract_state, mesh, rules)``.
 
 A parameter's ``PartitionSpec`` comes from, in order:
-1. the user's path rules (``rules=[(regex, axes), ...]``, ``--rules file.yaml``): the
+1. the model's own Flax annotations (``nnx.with_partitioning``; Linen's
+   ``nn.with_logical_partitioning`` through flax's bridge): logical names stored as the
+   Variable metadata ``out_sharding``, mapped to mesh axes by ``LOGICAL_RULES`` (which
+   the user may override name by name: ``logical_rules``, the ``logical:`` part of
+   ``--rules``);
+2. the user's path rules (``rules=[(regex, axes), ...]``, ``--rules file.yaml``): the
    first regex that matches the path ("blocks/0/fc/kernel") gives one mesh axis (or a
    tuple of axes, or None) per dimension;
-2. the model's own Flax annotations (``nnx.with_partitioning``; Linen's
-   ``nn.with_logical_partitioning`` through flax's bridge): logical names stored as the
-   Variable metadata ``out_sharding``, mapped to mesh axes by ``LOGICAL_RULES``;
 3. otherwise, under ``fsdp``: the largest dimension that the fsdp size divides is split
    over ``fsdp``; arrays under ``MIN_SHARDED`` elements stay replicated.
 Mesh axes of size 1 are dropped, so a data-only mesh replicates everything. Optimizer
@@ -121,16 +123,16 @@ def fsdp_use(param_shardings):
 
 
 def _param_spec(name, shape, metadata, mesh, table, path_rules) -> P:
-    for pattern, axes in path_rules:
-        if pattern.search(name):
-            return _checked(
-                name, shape, _as_tuple(axes, shape, name), mesh, f"rule {pattern.pattern!r}"
-            )
     logical = metadata.get("out_sharding") or metadata.get("sharding_names")
     logical = logical or metadata.get("sharding")
     if logical:
         axes = tuple(_to_mesh(n, table, mesh) for n in _as_tuple(logical, shape, name))
         return _checked(name, shape, axes, mesh, f"annotation {tuple(logical)}")
+    for pattern, axes in path_rules:
+        if pattern.search(name):
+            return _checked(
+                name, shape, _as_tuple(axes, shape, name), mesh, f"rule {pattern.pattern!r}"
+            )
     fsdp = mesh.shape.get("fsdp", 1)
     size = 1
     for d in shape:
@@ -209,9 +211,10 @@ def path_name(path) -> str:
     return "/".join(map(str, parts))
 
 
-def load_rules(path: str) -> list[tuple[str, tuple]]:
-    """``--rules file.yaml``: a list of ``[regex, [axis or null, ...]]`` pairs, or a
-    mapping ``regex: [axis or null, ...]``, in order."""
+def load_rules(path: str) -> tuple[list[tuple[str, tuple]], dict]:
+    """``--rules file.yaml`` -> (path rules, logical-rule overrides). The file is a list
+    of ``[regex, [axis or null, ...]]`` pairs, or a mapping ``regex: [axes]``, or a
+    mapping with ``paths:`` (either form) and ``logical:`` (``name: axis or null``)."""
     import pathlib
 
     import yaml
@@ -220,10 +223,16 @@ def load_rules(path: str) -> list[tuple[str, tuple]]:
     if not file.is_file():
         raise LayoutError(f"--rules: no such file {path}")
     loaded = yaml.safe_load(file.read_text()) or []
+    logical = {}
+    if isinstance(loaded, dict) and set(loaded) <= {"paths", "logical"} and loaded:
+        logical = loaded.get("logical") or {}
+        if not isinstance(logical, dict):
+            raise LayoutError(f"--rules {path}: logical: must map names to mesh axes")
+        loaded = loaded.get("paths") or []
     pairs = list(loaded.items()) if isinstance(loaded, dict) else loaded
     out = []
     for pair in pairs:
         if not isinstance(pair, list | tuple) or len(pair) != 2 or not isinstance(pair[0], str):
             raise LayoutError(f"--rules {path}: {pair!r} is not [regex, [axes...]]")
         out.append((pair[0], pair[1]))
-    return out
+    return out, logical

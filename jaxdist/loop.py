@@ -24,7 +24,7 @@ class Run:
     info: jaxdist.ProcessInfo
     mesh: jax.sharding.Mesh
     task: str
-    dp: jaxdist.DataParallel
+    dp: jaxdist.Parallel
     state: jaxdist.TrainState  # on the devices, in the strategy's layout
     data: data_lib.Data
     batches: data_lib.Prefetcher  # device batches, built ahead in a background thread

@@ -15,6 +15,7 @@ from flax import linen, nnx
 from jaxdist.adapt import as_nnx, model_copy, split_model
 from jaxdist.errors import ModelError
 from jaxdist.layout import path_name
+from jaxdist.models.stack import has_stack
 from jaxdist.step import make_loss, new_state
 from jaxdist.strategies import Layout
 
@@ -29,6 +30,14 @@ class ModelSource:
         )
         self.eval_graphdef = split_model(model_copy(abstract, training=False))[0]
         params = self._abstract_state[0]
+        self.has_stack = has_stack(abstract)  # a jaxdist Stack: pipelined under stage
+        # Parameters stacked on a leading "layers" axis (a Stack, or Linen's nn.scan with
+        # metadata_params={nn.PARTITION_NAME: "layers"}): what a stage axis can split.
+        self.stacked = [
+            path_name(path)
+            for path, var in nnx.to_flat_state(params)
+            if (var.get_metadata().get("out_sharding") or (None,))[0] == "layers"
+        ]
         # Names of the parameter leaves in jax.tree.leaves order ("blocks/0/attn/kernel").
         self.leaf_paths = [path_name(path) for path, _ in jax.tree.leaves_with_path(params)]
 
@@ -43,7 +52,10 @@ class ModelSource:
         self.state_sharding = layout.shardings(
             jax.eval_shape(lambda *parts: new_state(*parts, tx), *self._abstract_state)
         )
+        self.has_batch_stats = bool(jax.tree.leaves(self._abstract_state[1]))
         self._init = jax.jit(init, out_shardings=self.state_sharding)
+        # The state as the step sees it (pmap: with its leading device axis), no arrays.
+        self.abstract_state = jax.eval_shape(self._init, *self._args)
 
     def init_state(self):
         return self._init(*self._args)

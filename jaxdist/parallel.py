@@ -4,25 +4,29 @@ loss function. It builds the one pure step and wires it to devices by strategy."
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from jaxdist import axes, health, layout, strategies
 from jaxdist.config import ConfigError
 from jaxdist.model_source import ModelSource
-from jaxdist.sharding import make_mesh
+from jaxdist.sharding import BATCH_AXES, axis_size, batch_spec, make_mesh
 from jaxdist.step import StepOptions, TrainState, make_eval_step, make_train_step
-from jaxdist.strategies import host_value, scalars
+from jaxdist.strategies import host_value, pipeline, scalars
+from jaxdist.strategies.shard_map import PerReplica
 
 
-class DataParallel:
-    """Training of one model over a mesh: data parallel over ``data`` (and ``fsdp``); under
-    gspmd, the state laid out by ``jaxdist.layout.state_shardings`` (fsdp, model axes).
+class Parallel:
+    """Training of one model over a mesh, in any layout: data parallel over ``data`` and
+    ``fsdp``, the state laid out by ``jaxdist.layout.state_shardings`` (fsdp, model
+    axes), a ``stage`` axis pipelined. ``DataParallel`` is the same class under the name
+    PyTorch users look for.
 
     Args:
       model: an ``nnx.Module``, a ``linen.Module`` (with ``example_input``), or a function
@@ -49,6 +53,10 @@ class DataParallel:
         ``"skip"``: such a step leaves params, optimizer state and statistics unchanged.
       batch_check: ``fn(batch) -> (B,) bool`` run on the devices in every step; a False
         row makes ``check`` raise ``BadBatchError`` naming the step and the row.
+      rules, logical_rules: the layout's path rules and logical-axis table overrides
+        (``jaxdist.layout.state_shardings``).
+      microbatches: with a ``stage`` mesh axis, the GPipe schedule's microbatches (0: 4
+        per stage); the model's ``jaxdist.models.stack.Stack`` is split into stages.
 
     Example::
 
@@ -79,6 +87,7 @@ class DataParallel:
         batch_check: Callable | None = None,
         rules=None,
         logical_rules: dict | None = None,
+        microbatches: int = 0,
     ):
         if nan_policy not in health.POLICIES:
             raise ConfigError(f"nan_policy: {nan_policy!r} is not one of halt, skip")
@@ -92,9 +101,13 @@ class DataParallel:
             model, optimizer, self.layout, example_input, seed=seed, linen_train_arg=linen_train_arg
         )
         self.graphdef = self._source.eval_graphdef  # merge() builds eval-mode models
+        # The stage axis: a GPipe schedule over the model's Stack (None without stages).
+        self.pipeline = pipeline.plan(
+            self.mesh, self._source.has_stack, self._source.stacked, microbatches
+        )
         self._loss_fn, self._eval_fn, self._tx = loss_fn, eval_fn or _no_eval_fn, optimizer
         self._options = StepOptions(grad_accum, seed, schedule, nan_policy, batch_check)
-        self._wired: strategies.Wired | None = None  # on first use: needs the batch shapes
+        self._wired: tuple | None = None  # on first use: needs the batch shapes
 
     @property
     def state_sharding(self):
@@ -108,7 +121,7 @@ class DataParallel:
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One optimizer step on a global batch from ``shard_batch``. Donates ``state``."""
-        return self._wire(batch).step(state, batch)
+        return self.program(batch)(state, batch)
 
     def check(self, metrics, step: int) -> bool:
         """Reads the step's health (a few scalars): raises ``NonFiniteError`` (NaN or inf
@@ -121,11 +134,17 @@ class DataParallel:
     def evaluate(self, state: TrainState, batch) -> dict[str, float]:
         """Sums of ``eval_fn``'s per-example values over the rows of a global batch whose
         ``mask`` (from ``EvalSampler``) is 1, and ``count``, the number of such rows."""
-        return scalars(self._wire(batch).evaluate(state, batch))
+        return scalars(self._wire(batch)[1](state, batch))
+
+    def program(self, batch) -> strategies.StepProgram:
+        """The compiled training step for global batches shaped like ``batch`` (arrays or
+        ``jax.ShapeDtypeStruct``s): ``.lower()``, ``.compile()`` (``memory_analysis()``,
+        ``as_text()``, ``cost_analysis()``) need no data and no real state."""
+        return self._wire(batch)[0]
 
     def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
         """The lowered step, e.g. ``dp.lower(state, batch).compile().as_text()``."""
-        return self._wire(batch).lower(state, batch)
+        return self.program(batch).fn.lower(state, batch)
 
     def lower_init(self) -> jax.stages.Lowered:
         """The lowered ``init_state`` program, e.g. for its ``memory_analysis()``."""
@@ -151,16 +170,22 @@ class DataParallel:
         one = self.unreplicate(state)
         return nnx.merge(self.graphdef, one.params, one.batch_stats, one.rng_state)
 
-    def _wire(self, batch) -> strategies.Wired:
+    def _wire(self, batch) -> tuple[strategies.StepProgram, Callable]:
         if self._wired is None:
             self._wired = self._build_steps(batch)
         return self._wired
 
-    def _build_steps(self, batch) -> strategies.Wired:
+    def _build_steps(self, batch) -> tuple[strategies.StepProgram, Callable]:
         """Finds the model's axis names on the first batch, then builds and wires the steps."""
         names = axes.names_used(
             self._source.abstract_loss(self._loss_fn),
             *self._source.abstract_args(self._example_rows(batch)),
+        )
+        per_replica = strategies.wants_per_replica(
+            self.strategy,
+            self.mesh,
+            self._options.grad_accum,
+            self._source.has_batch_stats or names,
         )
         axis_name, trivial, self.axis_bindings = axes.plan(
             names, self.strategy, self.sync_batch_stats
@@ -168,28 +193,63 @@ class DataParallel:
         if self.axis_bindings and jax.process_index() == 0:
             bound = "; ".join(f"{n!r} -> {what}" for n, what in self.axis_bindings.items())
             print(f"jaxdist: the model's axis names: {bound}", flush=True)
-        options = StepOptions(
-            **{**vars(self._options), "axis_name": axis_name, "trivial_axes": tuple(trivial)}
+        replicas = None
+        if per_replica:
+            replicas = PerReplica(self.mesh, self.state_sharding.params, axis_name)
+            axis_name = replicas.axis
+        options = dataclasses.replace(
+            self._options, axis_name=axis_name, trivial_axes=tuple(trivial)
         )
-        if self.strategy == "gspmd" and self.mesh.shape.get("fsdp", 1) > 1:
+        if self.pipeline and self.pipeline.microbatches:
+            self._check_pipeline_rows(batch)
+            runner = functools.partial(
+                pipeline.gpipe, mesh=self.mesh, microbatches=self.pipeline.microbatches
+            )
+            options = dataclasses.replace(options, stack_runner=runner)
+        if not per_replica and self.strategy == "gspmd" and self.mesh.shape.get("fsdp", 1) > 1:
             use_params = layout.fsdp_use(self.state_sharding.params)
             options = dataclasses.replace(options, use_params=use_params)
-        train_step = make_train_step(self._source.train_graphdef, self._loss_fn, self._tx, options)
-        eval_step = make_eval_step(self._source.eval_graphdef, self._eval_fn, options)
-        return strategies.wire(
-            self.strategy, train_step, eval_step, self.mesh, axis_name, self.state_sharding
+
+        def build(replicas):
+            source = self._source
+            return (
+                make_train_step(source.train_graphdef, self._loss_fn, self._tx, options, replicas),
+                make_eval_step(source.eval_graphdef, self._eval_fn, options, replicas),
+            )
+
+        step, evaluate = strategies.wire(
+            self.strategy, build, self.mesh, axis_name, self.state_sharding, replicas
         )
+        abstract_state = strategies.abstract(self._source.abstract_state, self.state_sharding)
+        abstract_batch = strategies.abstract(batch, NamedSharding(self.mesh, batch_spec(self.mesh)))
+        return strategies.StepProgram(step, abstract_state, abstract_batch), evaluate
+
+    def _check_pipeline_rows(self, batch) -> None:
+        """Each device's rows of a loss call split into the pipeline's microbatches."""
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        per_device = rows // (axis_size(self.mesh, BATCH_AXES) * self._options.grad_accum)
+        m = self.pipeline.microbatches
+        if per_device % m:
+            raise ConfigError(
+                f"pipeline: {per_device} rows per device per step (global batch {rows} / "
+                f"{axis_size(self.mesh, BATCH_AXES)} batch shards / grad-accum "
+                f"{self._options.grad_accum}) do not split into {m} microbatches; use "
+                "--microbatches dividing it, or a larger batch"
+            )
 
     def _example_rows(self, batch):
         """Abstract rows as one loss call sees them: per device (pmap, shard_map) and per
         microbatch, e.g. global (64, T) on 8 devices with grad-accum 2 -> (4, T)."""
-        per_call = self.mesh.size if self.strategy in ("pmap", "shard_map") else 1
+        per_call = axis_size(self.mesh, BATCH_AXES) if self.strategy != "gspmd" else 1
         per_call *= self._options.grad_accum
         if isinstance(batch, dict):
             batch = {k: v for k, v in batch.items() if k != "mask"}
         return jax.tree.map(
             lambda v: jax.ShapeDtypeStruct((v.shape[0] // per_call, *v.shape[1:]), v.dtype), batch
         )
+
+
+DataParallel = Parallel  # PyTorch's DDP-shaped name; one class, one code path
 
 
 def _no_eval_fn(model, batch):

@@ -27,6 +27,7 @@ from flax import nnx
 from jaxdist import health
 from jaxdist.axes import bind_trivially
 from jaxdist.loss_call import normalize_loss_fn
+from jaxdist.models import stack
 from jaxdist.replicas import mean_over_replicas, step_key, sum_over_replicas
 from jaxdist.sharding import DATA
 
@@ -58,6 +59,9 @@ class StepOptions:
     trivial_axes: tuple[str, ...] = field(default=())  # model axis names bound to size 1
     # gspmd with fsdp: params -> the layout they are used in (jaxdist.layout.gathered)
     use_params: Callable | None = None
+    # how the model's layer stacks run (jaxdist.models.stack.runner): the pipeline's
+    # GPipe schedule under a stage axis; None: a scan
+    stack_runner: Callable | None = None
 
 
 def split_microbatches(batch, k: int):
@@ -73,17 +77,19 @@ def split_microbatches(batch, k: int):
     return jax.tree.map(split, batch)
 
 
-def reseeded(graphdef: nnx.GraphDef, state: TrainState, key: jax.Array) -> nnx.State:
+def reseeded(graphdef: nnx.GraphDef, params, stats, rng_state, key: jax.Array) -> nnx.State:
     """The model's RNG state after flax's ``nnx.reseed`` of every stream with ``key``.
     Done on a merged copy, outside ``jax.grad`` (NNX forbids mutating a stream there)."""
-    model = nnx.merge(graphdef, state.params, state.batch_stats, state.rng_state, copy=True)
-    tags = {var.tag for _, var in nnx.to_flat_state(state.rng_state)}
+    model = nnx.merge(graphdef, params, stats, rng_state, copy=True)
+    tags = {var.tag for _, var in nnx.to_flat_state(rng_state)}
     if tags:
         nnx.reseed(model, policy="match_shape", **dict.fromkeys(tags, key))
     return nnx.state(model, nnx.RngState)
 
 
-def make_loss(graphdef: nnx.GraphDef, loss_fn: Callable, trivial_axes=()) -> Callable:
+def make_loss(
+    graphdef: nnx.GraphDef, loss_fn: Callable, trivial_axes=(), stack_runner=None
+) -> Callable:
     """``(params, stats, rng_state, batch, key) -> (loss, (metrics, new_stats))``: pure,
     the model merged inside, its own axis names bound (see ``jaxdist.axes``)."""
     loss_fn = normalize_loss_fn(loss_fn)
@@ -92,46 +98,68 @@ def make_loss(graphdef: nnx.GraphDef, loss_fn: Callable, trivial_axes=()) -> Cal
         # copy=True: fresh Variables at this trace level, so BatchNorm may update them
         # inside jax.grad (sharing the caller's Variables raises TraceContextError).
         model = nnx.merge(graphdef, params, stats, rng_state, copy=True)
-        loss, metrics = loss_fn(model, batch, nnx.Rngs(key))
+        with stack.runner(stack_runner):
+            loss, metrics = loss_fn(model, batch, nnx.Rngs(key))
         return loss, (metrics, nnx.state(model, nnx.BatchStat))
 
     return bind_trivially(loss_of, trivial_axes)
 
 
-def make_train_step(graphdef, loss_fn: Callable, tx, options: StepOptions = StepOptions()):
+def make_grads(graphdef, loss_fn: Callable, options: StepOptions = StepOptions()) -> Callable:
+    """``grads(params, stats, rng_state, step, batch) -> (loss, metrics, stats, grads)``:
+    the mean over the rows it is given (one replica's, or the global batch under gspmd),
+    over ``grad_accum`` microbatches; nothing is averaged across replicas here."""
     o = options
-    grad_fn = jax.value_and_grad(make_loss(graphdef, loss_fn, o.trivial_axes), has_aux=True)
+    loss = make_loss(graphdef, loss_fn, o.trivial_axes, o.stack_runner)
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
 
-    def grads_at(state, stats, batch, key):
-        rng_state = reseeded(graphdef, state, key)
-        params = o.use_params(state.params) if o.use_params else state.params
+    def grads_at(params, stats, rng_state, batch, key):
+        rng_state = reseeded(graphdef, params, stats, rng_state, key)
+        params = o.use_params(params) if o.use_params else params
         (loss, (metrics, stats)), grads = grad_fn(params, stats, rng_state, batch, key)
         return loss, metrics, stats, grads
 
-    def grads_and_loss(state, batch, key):
+    def grads(params, stats, rng_state, step, batch):
+        key = step_key(o.seed, step, o.axis_name)
         if o.grad_accum == 1:
-            return grads_at(state, state.batch_stats, batch, key)
+            return grads_at(params, stats, rng_state, batch, key)
 
         def one(carry, index_and_mb):  # adds one microbatch's grads; stats carried in order
             stats, total = carry
             index, mb = index_and_mb
-            loss, metrics, stats, grads = grads_at(state, stats, mb, jax.random.fold_in(key, index))
-            return (stats, jax.tree.map(jnp.add, total, (loss, metrics, grads))), None
+            key_i = jax.random.fold_in(key, index)
+            loss, metrics, stats, g = grads_at(params, stats, rng_state, mb, key_i)
+            return (stats, jax.tree.map(jnp.add, total, (loss, metrics, g))), None
 
         micro = split_microbatches(batch, o.grad_accum)
         first = jax.tree.map(lambda x: x[0], micro)
-        loss, metrics, _, grads = jax.eval_shape(grads_at, state, state.batch_stats, first, key)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss, metrics, grads))
-        (stats, total), _ = jax.lax.scan(
-            one, (state.batch_stats, zeros), (jnp.arange(o.grad_accum), micro)
-        )
+        shapes = jax.eval_shape(grads_at, params, stats, rng_state, first, key)
+        loss, metrics, _, g = shapes
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss, metrics, g))
+        (stats, total), _ = jax.lax.scan(one, (stats, zeros), (jnp.arange(o.grad_accum), micro))
         # Equal-size microbatches: the mean of their means is the mean over the batch.
-        loss, metrics, grads = jax.tree.map(lambda x: x / o.grad_accum, total)
-        return loss, metrics, stats, grads
+        loss, metrics, g = jax.tree.map(lambda x: x / o.grad_accum, total)
+        return loss, metrics, stats, g
+
+    return grads
+
+
+def make_train_step(
+    graphdef, loss_fn: Callable, tx, options: StepOptions = StepOptions(), per_replica=None
+):
+    """``train_step(state, batch) -> (state, metrics)``. ``per_replica``: a strategy's
+    wrapper that runs ``make_grads``' function once per replica (``shard_map`` over the
+    batch axes) and returns global-batch values; without it the values are already global
+    (gspmd) or are averaged here over the bound data axis (pmap)."""
+    o = options
+    grads_fn = make_grads(graphdef, loss_fn, o)
+    if per_replica is not None:
+        grads_fn = per_replica.grads(grads_fn)
 
     def train_step(state: TrainState, batch):
-        key = step_key(o.seed, state.step, o.axis_name)
-        loss, metrics, stats, grads = grads_and_loss(state, batch, key)
+        loss, metrics, stats, grads = grads_fn(
+            state.params, state.batch_stats, state.rng_state, state.step, batch
+        )
         # Replicas agree on the global-batch gradient; running statistics are averaged too.
         loss, metrics, stats, grads = mean_over_replicas((loss, metrics, stats, grads), o.axis_name)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -155,7 +183,9 @@ def make_train_step(graphdef, loss_fn: Callable, tx, options: StepOptions = Step
     return train_step
 
 
-def make_eval_step(graphdef: nnx.GraphDef, eval_fn: Callable, options: StepOptions):
+def make_eval_step(
+    graphdef: nnx.GraphDef, eval_fn: Callable, options: StepOptions, per_replica=None
+):
     """``eval_step(state, batch) -> sums``: ``eval_fn(model, batch) -> {name: (B,)}``
     per-example values, summed with ``batch["mask"]`` as weights (0 on padding rows), plus
     ``count`` = the number of real rows; summed over replicas. Means are sums / count, so
@@ -163,16 +193,23 @@ def make_eval_step(graphdef: nnx.GraphDef, eval_fn: Callable, options: StepOptio
 
     def per_example(params, stats, rng_state, batch):
         model = nnx.merge(graphdef, params, stats, rng_state, copy=True)
-        return eval_fn(model, batch)
+        with stack.runner(options.stack_runner):
+            return eval_fn(model, batch)
 
     per_example = bind_trivially(per_example, options.trivial_axes)
 
-    def eval_step(state: TrainState, batch):
+    def sums(params, stats, rng_state, batch):
         mask = batch["mask"]  # (B,) 1.0 real, 0.0 padding
         rows = {k: v for k, v in batch.items() if k != "mask"}
-        values = per_example(state.params, state.batch_stats, state.rng_state, rows)
-        sums = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in values.items()}
-        sums["count"] = jnp.sum(mask)
-        return sum_over_replicas(sums, options.axis_name)
+        values = per_example(params, stats, rng_state, rows)
+        totals = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in values.items()}
+        totals["count"] = jnp.sum(mask)
+        return sum_over_replicas(totals, options.axis_name)
+
+    if per_replica is not None:
+        sums = per_replica.sums(sums)
+
+    def eval_step(state: TrainState, batch):
+        return sums(state.params, state.batch_stats, state.rng_state, batch)
 
     return eval_step

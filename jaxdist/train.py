@@ -132,16 +132,19 @@ def make_mesh(cfg: config_lib.TrainConfig):
     return mesh
 
 
-def make_step(config: Config, task: str, data: data_lib.Data, mesh) -> jaxdist.DataParallel:
-    """The data-parallel step. The model goes in as a factory: DataParallel builds it
+def make_step(config: Config, task: str, data: data_lib.Data, mesh) -> jaxdist.Parallel:
+    """The step, in the mesh's layout. The model goes in as a factory: Parallel builds it
     inside ``jax.jit``, directly in the strategy's layout."""
     cfg, d, model_config = config.train, config.data, config.model
     if task == "lm" and not model_config.vocab_size:
         model_config = dataclasses.replace(model_config, vocab_size=data.vocab_size)
+    if mesh.shape["stage"] > 1 and model_config.name == "gpt":  # stages split a stack
+        model_config = dataclasses.replace(model_config, scan_layers=True)
+    rules, logical_rules = load_rules(cfg.rules) if cfg.rules else (None, None)
     build = model_factory(model_config, cfg.seed)  # checks the factory's arguments now
     loss_fn = import_object(config.model.loss, "--loss") if config.model.loss else None
     schedule = make_schedule(config.optim, cfg.global_batch_size, cfg.steps)
-    return jaxdist.DataParallel(
+    return jaxdist.Parallel(
         build,
         make_optimizer(config.optim, schedule),
         loss_fn or default_loss(task, d.npz_inputs, d.npz_labels),
@@ -156,7 +159,9 @@ def make_step(config: Config, task: str, data: data_lib.Data, mesh) -> jaxdist.D
         sync_batch_stats=cfg.sync_batch_stats,
         nan_policy=cfg.nan_policy,
         batch_check=data.row_check,
-        rules=load_rules(cfg.rules) if cfg.rules else None,
+        rules=rules,
+        logical_rules=logical_rules,
+        microbatches=cfg.microbatches,
     )
 
 
@@ -194,6 +199,7 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
         f"{run.info.process_count} process(es); global batch {cfg.global_batch_size} = "
         f"{batch_shards(run.mesh)} x {per_device} (grad-accum {cfg.grad_accum}); effective lr "
         f"{run.peak_lr:.3g} ({config.optim.lr_scaling} scaling)"
+        + (f"; {run.dp.pipeline.describe()}" if run.dp.pipeline else "")
         + (f"; run dir {run_dir}" if run_dir else "")
     )
     stop = StopFlag()
@@ -215,9 +221,11 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
         os._exit(EXIT_PEER_FAILURE)
     run.batches.close()
     report.close()
-    if cfg.save_params and is_main:
-        Path(cfg.save_params).parent.mkdir(parents=True, exist_ok=True)
-        np.savez(cfg.save_params, **run.dp.host_params(run.state))
+    if cfg.save_params:
+        params = run.dp.host_params(run.state)  # every process: sharded arrays are gathered
+        if is_main:
+            Path(cfg.save_params).parent.mkdir(parents=True, exist_ok=True)
+            np.savez(cfg.save_params, **params)
     first, last = run.history[0]["loss"], run.history[-1]["loss"]
     report.print(
         f"done: {run.history[-1]['step']} steps in {run.elapsed_s:.1f}s (first step, "

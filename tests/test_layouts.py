@@ -4,7 +4,6 @@ state per device and compile to the collectives they should; bad layouts are err
 
 from __future__ import annotations
 
-import math
 import re
 from types import SimpleNamespace
 
@@ -46,9 +45,9 @@ def batches(vocab=VOCAB):
     return [{"tokens": rng.integers(0, vocab, (G, SEQ + 1), dtype=np.int32)} for _ in range(STEPS)]
 
 
-def train_on(sizes):
+def train_on(sizes, strategy="gspmd"):
     mesh = jaxdist.make_mesh(**sizes)
-    dp = jaxdist.DataParallel(build, optax.sgd(0.5), loss_fn, mesh=mesh)
+    dp = jaxdist.DataParallel(build, optax.sgd(0.5), loss_fn, mesh=mesh, strategy=strategy)
     state, losses = dp.init_state(), []
     for batch in batches():
         state, metrics = dp.step(state, jaxdist.shard_batch(batch, mesh))
@@ -90,9 +89,13 @@ def test_data_parallel_equals_a_plain_single_device_loop(data_parallel):
         assert relative_error(params[name], want[name]) < 1e-5, name
 
 
-@pytest.mark.parametrize("layout", [k for k in LAYOUTS if k != "data=8"])
-def test_every_layout_equals_data_parallel(layout, data_parallel):
-    losses, params, dp, state = train_on(LAYOUTS[layout])
+CASES = [(k, "gspmd") for k in LAYOUTS if k != "data=8"]
+CASES += [("data=2,fsdp=2,model=2", "shard_map"), ("fsdp=8", "shard_map")]
+
+
+@pytest.mark.parametrize("layout, strategy", CASES)
+def test_every_layout_equals_data_parallel(layout, strategy, data_parallel):
+    losses, params, dp, state = train_on(LAYOUTS[layout], strategy)
     np.testing.assert_allclose(losses, data_parallel[0], rtol=1e-5)
     for name, want in data_parallel[1].items():
         assert relative_error(params[name], want) < 1e-5, (layout, name)
@@ -113,14 +116,19 @@ def test_state_shardings_follow_annotations_rules_and_fsdp_default():
     mu = specs.opt_state[0].mu["blocks"][0]["qkv"]["kernel"]  # Adam's mu follows its param
     assert mu.spec == jax.P("fsdp", "model")
     assert specs.step.spec == jax.P()
-    # A user's path rule wins; unannotated arrays under fsdp split their largest dimension.
+    # The model's annotations come first; the logical table can be overridden by name.
     rules = [(r"blocks/\d+/qkv/kernel$", (None, "fsdp"))]
     abstract = nnx.state(nnx.eval_shape(build), nnx.Param)
     got = state_shardings(abstract, mesh, rules)
+    assert got["blocks"][0]["qkv"]["kernel"].spec == jax.P("fsdp", "model")
+    got = state_shardings(abstract, mesh, logical_rules={"embed": None, "heads": "fsdp"})
     assert got["blocks"][0]["qkv"]["kernel"].spec == jax.P(None, "fsdp")
+    # Path rules place unannotated arrays; the rest under fsdp split their largest dim.
     plain = nnx.state(nnx.eval_shape(lambda: nnx.Linear(64, 128, rngs=nnx.Rngs(0))))
     got = state_shardings(plain, jaxdist.make_mesh(data=2, fsdp=4))
     assert got["kernel"].spec == jax.P(None, "fsdp") and got["bias"].spec == jax.P()
+    got = state_shardings(plain, mesh, [(r"^kernel$", ("model", None)), ("bias", ("fsdp",))])
+    assert got["kernel"].spec == jax.P("model", None) and got["bias"].spec == jax.P("fsdp")
 
 
 def test_an_axis_that_does_not_divide_names_the_parameter():
@@ -159,42 +167,6 @@ def test_sharded_state_is_an_eighth_per_device(sharded):
     assert state <= replicated / 8 * 1.1, (state, replicated)
     assert init_out <= replicated / 8 * 1.1, (init_out, replicated)
     assert total < replicated_total * 0.6, (total, replicated_total)  # temps: gathers
-
-
-SHAPE = re.compile(r"f32\[([\d,]*)\]")
-
-
-def collectives(sizes):
-    mesh = jaxdist.make_mesh(**sizes)
-    dp = jaxdist.DataParallel(build, optax.sgd(0.1), loss_fn, mesh=mesh)
-    state = dp.init_state()
-    text = dp.lower(state, jaxdist.shard_batch(batches()[0], mesh)).compile().as_text()
-    found: dict[str, list] = {}
-    for line in text.splitlines():
-        for op in ("all-reduce", "all-gather", "reduce-scatter"):
-            if f" {op}(" in line or f" {op}-start(" in line:
-                shapes = [tuple(int(d) for d in s.split(",") if d) for s in SHAPE.findall(line)]
-                found.setdefault(op, []).append(shapes[0] if shapes else ())
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
-    return found, n_params
-
-
-def test_fsdp_gathers_params_not_activations():
-    """fsdp=8: every kernel is all-gathered where it is used, and no activation of the
-    global batch (rows x seq) is gathered or reduced: the batch stays split. (On CPU
-    the gradient is all-reduced and sliced; a reduce-scatter is a GPU/TPU pass.)"""
-    found, n_params = collectives(LAYOUTS["fsdp=8"])
-    gathered = found.get("all-gather", [])
-    assert (64, 256) in gathered and (256, 64) in gathered and (64, 192) in gathered
-    everything = [s for op in found.values() for s in op]
-    assert not [s for s in everything if len(s) == 3 and s[:2] == (G, SEQ)], found
-
-
-def test_model_parallel_all_reduces_activations():
-    found, _ = collectives(LAYOUTS["data=4,model=2"])
-    rows_per_replica, d_model = G // 4, 64
-    activations = [s for s in found.get("all-reduce", []) if s[-1:] == (d_model,) and len(s) >= 2]
-    assert any(math.prod(s[:-1]) == rows_per_replica * SEQ for s in activations), found
 
 
 def fake_devices(processes, per_process):
@@ -253,7 +225,8 @@ def test_mesh_sizes():
             ["--mesh", "model=8", "--d-model", "36", "--n-heads", "4"],
             r"blocks/0/proj/kernel of shape \(36, 36\)",
         ),
-        (["--mesh", "model=8", "--strategy", "shard_map"], "Use --strategy gspmd"),
+        (["--model", "mlp", "--data", "synthetic", "--mesh", "stage=2"], "no stack of identical"),
+        (["--mesh", "data=4,stage=2", "--microbatches", "3"], r"4 rows per device .* 3 micro"),
     ],
 )
 def test_bad_layouts_exit_2(args, message, capsys, tmp_path):
@@ -263,3 +236,11 @@ def test_bad_layouts_exit_2(args, message, capsys, tmp_path):
     assert rc == 2, err
     assert re.search(message, err), err
     assert not (tmp_path / "r").exists()
+
+
+def test_pipeline_run_states_its_bubble_first(capsys, tmp_path):
+    args = ["--model", "gpt", "--data", "grammar", "--seq-len", "16", "--steps", "2"]
+    args += ["--global-batch-size", "32", "--mesh", "data=4,stage=2", "--run-dir", str(tmp_path)]
+    assert main(args) == 0
+    first = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("jaxdist:"))
+    assert "pipeline: 2 stages x 8 microbatches (GPipe), bubble (S-1)/(M+S-1) = 1/9" in first

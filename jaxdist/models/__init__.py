@@ -43,6 +43,8 @@ def _gpt(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
         cfg.n_heads,
         dtype=compute_dtype(cfg),
         attention=attention_kernel(cfg),
+        scan_layers=cfg.scan_layers,
+        remat=cfg.remat,
         rngs=rngs,
     )
 

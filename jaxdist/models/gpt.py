@@ -14,6 +14,8 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_bias_init, default_embed_init, default_kernel_init
 
+from jaxdist.models.stack import Stack, call_block, check_remat
+
 
 def _linear(d_in: int, d_out: int, axes: tuple[str, str], **kw) -> nnx.Linear:
     """``nnx.Linear`` with the default initialisers, annotated: kernel ``axes``, bias the
@@ -54,12 +56,12 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, D)
         b, t, d = x.shape
-        q, k, v = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)  # 3 x (B, T, D)
-        heads = lambda a: a.reshape(b, t, self.n_heads, d // self.n_heads)  # noqa: E731
-        # (B, T, H, D/H); cuDNN's fused flash attention on GPU (bf16), plain XLA on CPU.
-        att = jax.nn.dot_product_attention(
-            heads(q), heads(k), heads(v), is_causal=True, implementation=self.attention
-        )
+        # (B, T, H, 3, D/H): each head's q, k and v are adjacent columns, so splitting the
+        # columns over `model` gives each device whole heads and no data moves.
+        qkv = self.qkv(self.ln1(x)).reshape(b, t, self.n_heads, 3, d // self.n_heads)
+        q, k, v = (qkv[:, :, :, i] for i in range(3))  # 3 x (B, T, H, D/H)
+        # cuDNN's fused flash attention on GPU (bf16), plain XLA on CPU.
+        att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
         x = x + self.proj(att.reshape(b, t, d))
         return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
 
@@ -75,28 +77,37 @@ class GPT(nnx.Module):
         *,
         dtype=jnp.float32,
         attention: str | None = None,
+        scan_layers: bool = False,
+        remat: str = "none",
         rngs: nnx.Rngs,
     ):
+        check_remat(remat)
+        self.remat = remat
         with nnx.use_eager_sharding(False):  # names only; jaxdist.layout places them
-            self._build(vocab_size, seq_len, d_model, n_layers, n_heads, dtype, attention, rngs)
+            kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+            self.tok = nnx.Embed(
+                vocab_size, d_model, embedding_init=_embed(("vocab", "embed")), **kw
+            )
+            self.pos = nnx.Embed(seq_len, d_model, embedding_init=_embed(("length", "embed")), **kw)
 
-    def _build(self, vocab_size, seq_len, d_model, n_layers, n_heads, dtype, attention, rngs):
-        kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.dtype = dtype
-        self.tok = nnx.Embed(vocab_size, d_model, embedding_init=_embed(("vocab", "embed")), **kw)
-        self.pos = nnx.Embed(seq_len, d_model, embedding_init=_embed(("length", "embed")), **kw)
-        self.blocks = nnx.List(
-            [
-                Block(d_model, n_heads, dtype=dtype, attention=attention, rngs=rngs)
-                for _ in range(n_layers)
-            ]
-        )
-        self.ln_f = _layer_norm(d_model, **kw)
+            def block(rngs):
+                return Block(d_model, n_heads, dtype=dtype, attention=attention, rngs=rngs)
+
+            # Stacked: parameters (L, ...) run by one scan, and splittable into pipeline
+            # stages; a list: L separately compiled blocks (names blocks/0/..., blocks/1/...).
+            if scan_layers:
+                self.blocks = Stack(block, n_layers, rngs=rngs, remat=remat)
+            else:
+                self.blocks = nnx.List([block(rngs) for _ in range(n_layers)])
+            self.ln_f = _layer_norm(d_model, **kw)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:  # (B, T) -> (B, T, vocab)
         t = tokens.shape[1]
         x = self.tok(tokens) + self.pos(jnp.arange(t))[None]
-        for block in self.blocks:
-            x = block(x)
+        if isinstance(self.blocks, Stack):
+            x = self.blocks(x)
+        else:
+            for block in self.blocks:
+                x = call_block(block, x, self.remat)
         # Output head tied to the token embedding: (B, T, D) @ (D, vocab).
         return self.tok.attend(self.ln_f(x))

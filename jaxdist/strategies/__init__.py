@@ -1,17 +1,19 @@
 """Each strategy wires the one pure ``train_step`` (and ``eval_step``) to devices, and
 does nothing else.
 
-``layout(name, mesh)`` says where the state lives; ``wire(name, train_step, eval_step,
-mesh, axis_name) -> Wired``. Every strategy's step takes the same global batch
-(``shard_batch`` output, rows split over ``data``); what differs is the state's layout and
-whether the step runs per device (pmap, shard_map: ``axis_name`` bound) or globally (gspmd).
+``layout(name, mesh)`` says where the state lives; ``wire(name, build, ...)`` returns a
+``StepProgram``. Every strategy's step takes the same global batch (``shard_batch``
+output, rows split over data and fsdp); what differs is the state's layout and where the
+step runs per replica: nowhere (gspmd: global arrays), its gradient part (shard_map:
+``shard_map.PerReplica``), or all of it (pmap).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +31,11 @@ NAMES = ("pmap", "shard_map", "gspmd")
 @dataclass(frozen=True)
 class Layout:
     """Where the state lives: each array laid out on the mesh as ``state_shardings``
-    decides (gspmd), replicated (shard_map), or (pmap) one copy per device stacked on a
-    leading axis of ``copies`` = N."""
+    decides (gspmd, shard_map), or (pmap) one copy per device stacked on a leading axis
+    of ``copies`` = N."""
 
     mesh: Mesh
     copies: int = 0
-    sharded: bool = False  # gspmd: layout.state_shardings decides each array
     rules: tuple = ()  # the user's path rules (regex, axes)
     logical_rules: dict | None = None
 
@@ -42,8 +43,6 @@ class Layout:
         """The state's shardings: a tree for jit's in/out_shardings (or one for all)."""
         if self.copies:
             return NamedSharding(self.mesh, P(DATA))
-        if not self.sharded:
-            return NamedSharding(self.mesh, P())
         return state_shardings(abstract_state, self.mesh, self.rules, self.logical_rules)
 
     def expand(self, state):
@@ -69,10 +68,36 @@ def _gather(mesh: Mesh):
 
 
 @dataclass(frozen=True)
-class Wired:
-    step: Callable  # (state, global_batch) -> (state, metrics), compiled on first call
-    lower: Callable  # (state, global_batch) -> jax.stages.Lowered, for HLO inspection
-    evaluate: Callable  # (state, global_batch with "mask") -> {name: summed value}
+class StepProgram:
+    """The training step of one layout as one object: the jitted function and the
+    abstract inputs it is built for (``jax.ShapeDtypeStruct``s carrying their shardings).
+    It lowers and compiles without data or a real state, e.g.
+    ``program.compile().memory_analysis()`` or ``.as_text()`` for its collectives."""
+
+    fn: Callable  # jitted: (state, global batch) -> (state, metrics); donates the state
+    state: Any  # abstract TrainState
+    batch: Any  # abstract global batch
+    _compiled: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __call__(self, state, batch):
+        return self.fn(state, batch)
+
+    def lower(self) -> jax.stages.Lowered:
+        return self.fn.lower(self.state, self.batch)
+
+    def compile(self) -> jax.stages.Compiled:
+        if "compiled" not in self._compiled:
+            self._compiled["compiled"] = self.lower().compile()
+        return self._compiled["compiled"]
+
+
+def abstract(tree, shardings):
+    """``tree``'s shapes and dtypes with ``shardings`` (a tree, or one for all)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree
+        )
+    return jax.tree.map(lambda s, sub: abstract(sub, s), shardings, tree)
 
 
 def _module(name: str):
@@ -90,33 +115,44 @@ def _module(name: str):
 def layout(name: str, mesh: Mesh, rules=(), logical_rules=None) -> Layout:
     _module(name)  # checks the name
     beyond_data = {a: n for a, n in mesh.shape.items() if a != DATA and n > 1}
-    if beyond_data and name != "gspmd":
+    if beyond_data and name == "pmap":
         axes = ",".join(f"{a}={n}" for a, n in beyond_data.items())
         raise ConfigError(
-            f"strategy {name}: the mesh has axes beyond data ({axes}); {name} only splits "
-            "the batch over data. Use --strategy gspmd for fsdp, model or stage axes"
+            f"strategy pmap: the mesh has axes beyond data ({axes}); pmap only splits the "
+            "batch over data. Use --strategy gspmd (or shard_map) for fsdp, model or stage axes"
         )
     if name == "pmap":  # (N, ...): device d holds row d
         return Layout(mesh, copies=mesh.size)
-    return Layout(
-        mesh, sharded=name == "gspmd", rules=tuple(rules or ()), logical_rules=logical_rules
-    )
+    return Layout(mesh, rules=tuple(rules or ()), logical_rules=logical_rules)
 
 
-def wire(
-    name: str,
-    train_step: Callable,
-    eval_step: Callable,
-    mesh: Mesh,
-    axis_name: str = DATA,
-    state_sharding=None,
-) -> Wired:
-    """``axis_name``: the name the per-device strategies bind their data axis to (the
-    model's own, for SyncBatchNorm); gspmd binds none. ``state_sharding``: the state's
-    layout (``Layout.shardings``), which gspmd keeps in and out of the step."""
-    if state_sharding is None:
-        state_sharding = NamedSharding(mesh, P())
-    return _module(name).wire(train_step, eval_step, mesh, axis_name, state_sharding)
+def wants_per_replica(name: str, mesh: Mesh, grad_accum: int, has_batch_stats: bool) -> bool:
+    """Whether the gradient is computed per replica (``shard_map.PerReplica``).
+
+    Always under shard_map. Under gspmd when XLA's partitioner alone would reduce more
+    than once per step: with grad-accum it all-reduces inside the microbatch loop (K
+    times), with pipeline stages inside the schedule's loop (once per tick and layer),
+    and under fsdp CPU's XLA all-reduces whole gradients (no reduce-scatter). Not for a
+    model with batch statistics: gspmd promises the global batch's, and per replica they
+    would be each device's. Nor with a model axis: at the boundary of the per-replica
+    region XLA gathers model-split weights whole, which costs more than it saves."""
+    if name == "shard_map":
+        return True
+    shape = mesh.shape
+    looped = grad_accum > 1 or shape.get("stage", 1) > 1
+    wanted = looped or shape.get("fsdp", 1) > 1
+    return name == "gspmd" and wanted and shape.get("model", 1) == 1 and not has_batch_stats
+
+
+def wire(name: str, build: Callable, mesh: Mesh, axis_name: str, state_sharding, per_replica):
+    """``build(per_replica) -> (train_step, eval_step)`` wired by strategy ``name``:
+    ``(step, evaluate)``, both jitted functions of (state, global batch)."""
+    module = _module(name)
+    if name == "pmap":
+        return module.wire(build, mesh, axis_name)
+    from jaxdist.strategies import gspmd
+
+    return gspmd.wire(build, mesh, state_sharding, per_replica)
 
 
 def local_value(x) -> np.ndarray:

@@ -7,23 +7,20 @@ import jax
 from jax.sharding import NamedSharding
 
 from jaxdist.sharding import BATCH_SPEC
-from jaxdist.strategies import Wired
 
 
-def wire(train_step, eval_step, mesh, axis_name, state_sharding) -> Wired:
-    del state_sharding  # (N, ...) copies; strategies.layout refuses axes beyond data
-    n = mesh.size
-    devices = list(mesh.devices.flat)
+def wire(build, mesh, axis_name):
+    """``build(None) -> (train_step, eval_step)`` -> two jitted programs on global
+    batches (``strategies.layout`` refuses axes beyond data)."""
+    train_step, eval_step = build(None)
+    n, devices = mesh.size, list(mesh.devices.flat)
     pstep = jax.pmap(train_step, axis_name=axis_name, devices=devices, donate_argnums=0)
     peval = jax.pmap(eval_step, axis_name=axis_name, devices=devices)
 
-    # (G, ...) -> (N, G/N, ...): each device's block of rows becomes its row; no data moves.
-    by_device = jax.jit(
-        lambda batch: jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch),
-        out_shardings=NamedSharding(mesh, BATCH_SPEC),
-    )
-    return Wired(
-        step=lambda state, batch: pstep(state, by_device(batch)),
-        lower=lambda state, batch: pstep.lower(state, by_device(batch)),
-        evaluate=lambda state, batch: peval(state, by_device(batch)),
-    )
+    def by_device(batch):  # (G, ...) -> (N, G/N, ...): device d's rows become row d
+        reshaped = jax.tree.map(lambda x: x.reshape(n, -1, *x.shape[1:]), batch)
+        return jax.lax.with_sharding_constraint(reshaped, NamedSharding(mesh, BATCH_SPEC))
+
+    step = jax.jit(lambda state, batch: pstep(state, by_device(batch)), donate_argnums=0)
+    evaluate = jax.jit(lambda state, batch: peval(state, by_device(batch)))
+    return step, evaluate

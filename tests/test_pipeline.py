@@ -1,0 +1,135 @@
+"""Pipeline stages, stacked layers and activation checkpointing on the built-in GPT.
+
+- The stacked GPT (``--scan-layers``: blocks held as (L, ...) parameters, run by one
+  scan) trained by jaxdist equals a plain single-device optax loop.
+- ``stage=2`` splits the stack over two stages (the "layers" axis of each kernel is split
+  over ``stage``) and runs a GPipe schedule; it gives the losses and params of the
+  data-parallel run, also with grad-accum and under shard_map.
+- ``remat`` changes memory (from the compiled program), not results.
+- ``stage`` on a model without a stack is an error naming the way out.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxdist
+from helpers import relative_error
+from jaxdist.errors import ModelError
+from jaxdist.models.gpt import GPT
+from jaxdist.strategies.pipeline import bubble_fraction
+from test_layouts import SEQ, VOCAB, loss_fn
+
+G, STEPS, LAYERS = 32, 3, 4
+
+
+def stacked(remat="none", d_model=64):
+    return GPT(
+        VOCAB, SEQ, d_model, LAYERS, 8, attention="xla", scan_layers=True, remat=remat,
+        rngs=nnx.Rngs(0),
+    )  # fmt: skip
+
+
+def batches():
+    rng = np.random.default_rng(1)
+    return [{"tokens": rng.integers(0, VOCAB, (G, SEQ + 1), dtype=np.int32)} for _ in range(STEPS)]
+
+
+def train_on(sizes, **kw):
+    mesh = jaxdist.make_mesh(**sizes)
+    dp = jaxdist.DataParallel(stacked, optax.sgd(0.5), loss_fn, mesh=mesh, **kw)
+    state, losses = dp.init_state(), []
+    for batch in batches():
+        state, metrics = dp.step(state, jaxdist.shard_batch(batch, mesh))
+        losses.append(dp.metrics(metrics)["loss"])
+    return losses, dp.host_params(state), dp, state
+
+
+def plain_loop():
+    """One device: nnx.split, jax.grad and optax only; no jaxdist."""
+    graphdef, params = nnx.split(stacked(), nnx.Param)
+    tx = optax.sgd(0.5)
+    opt_state, losses = tx.init(params), []
+    grad_fn = jax.jit(
+        jax.value_and_grad(lambda p, t: loss_fn(nnx.merge(graphdef, p), {"tokens": t}))
+    )
+    for batch in batches():
+        value, grads = grad_fn(params, batch["tokens"])
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(value))
+    flat = nnx.to_flat_state(params)
+    return losses, {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in flat}
+
+
+@pytest.fixture(scope="module")
+def data_parallel():
+    losses, params, _, _ = train_on(dict(data=8))
+    return losses, params
+
+
+def assert_same(got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    assert got[1].keys() == want[1].keys()
+    for name, value in want[1].items():
+        assert relative_error(got[1][name], value) < 1e-5, name
+
+
+def test_stacked_gpt_equals_a_plain_loop(data_parallel):
+    losses, params = plain_loop()
+    assert params["blocks/layers/fc/kernel"].shape == (LAYERS, 64, 256)  # one stacked kernel
+    assert_same(data_parallel, (losses, params))
+
+
+@pytest.mark.parametrize(
+    "sizes, kw",
+    [
+        (dict(data=4, stage=2), {}),
+        (dict(data=4, stage=2), dict(grad_accum=2, microbatches=2)),
+        (dict(data=2, stage=2, model=2), {}),
+        (dict(data=4, stage=2), dict(strategy="shard_map")),
+    ],
+    ids=["data4-stage2", "grad-accum-2", "data2-stage2-model2", "shard_map"],
+)
+def test_pipeline_equals_data_parallel(sizes, kw, data_parallel):
+    losses, params, dp, state = train_on(sizes, **kw)
+    assert_same((losses, params), data_parallel)
+    assert dp.pipeline.stages == 2 and dp.pipeline.microbatches == kw.get("microbatches", 8)
+    kernel = state.params["blocks"]["layers"]["fc"]["kernel"].get_value()  # (L, D, 4D)
+    assert kernel.sharding.shard_shape(kernel.shape)[0] == LAYERS // 2  # 2 layers a stage
+
+
+def test_bubble_fraction():
+    assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(1, 5) == 0
+
+
+def temp_bytes(remat):
+    mesh = jaxdist.make_mesh(data=1)
+    dp = jaxdist.DataParallel(lambda: stacked(remat, 128), optax.sgd(0.5), loss_fn, mesh=mesh)
+    tokens = jax.ShapeDtypeStruct((G, 4 * SEQ + 1), np.int32)
+    return dp.program({"tokens": tokens}).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_remat_changes_memory_not_results(data_parallel):
+    none, block, full = (temp_bytes(r) for r in ("none", "block", "full"))
+    # Kept per block: every activation > its matmul outputs > only its input.
+    assert none > 1.5 * block and block > full, (none, block, full)
+    mesh = jaxdist.make_mesh(data=8)
+    dp = jaxdist.DataParallel(lambda: stacked("full"), optax.sgd(0.5), loss_fn, mesh=mesh)
+    state, losses = dp.init_state(), []
+    for batch in batches():
+        state, metrics = dp.step(state, jaxdist.shard_batch(batch, mesh))
+        losses.append(dp.metrics(metrics)["loss"])
+    assert_same((losses, dp.host_params(state)), data_parallel)
+
+
+def test_stage_without_a_stack_is_an_error():
+    unstacked = lambda: GPT(VOCAB, SEQ, 64, LAYERS, 8, attention="xla", rngs=nnx.Rngs(0))  # noqa: E731
+    with pytest.raises(ModelError, match="no stack of identical blocks"):
+        jaxdist.DataParallel(unstacked, optax.sgd(0.1), loss_fn, mesh=jaxdist.make_mesh(stage=2))
