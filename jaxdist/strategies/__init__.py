@@ -1,11 +1,12 @@
 """Each strategy wires the one pure ``train_step`` (and ``eval_step``) to devices, and
 does nothing else.
 
-``layout(name, mesh)`` says where the state lives; ``wire(name, build, ...)`` returns a
-``StepProgram``. Every strategy's step takes the same global batch (``shard_batch``
-output, rows split over data and fsdp); what differs is the state's layout and where the
-step runs per replica: nowhere (gspmd: global arrays), its gradient part (shard_map:
-``shard_map.PerReplica``), or all of it (pmap).
+``layout(name, mesh)`` says where the state lives; ``wire(name, build, ...)`` returns
+the jitted step and evaluation, which ``DataParallel`` holds as a ``StepProgram``. Every
+strategy's step takes the same global batch (``shard_batch`` output, rows split over data
+and fsdp); what differs is the state's layout and where the step runs per replica:
+nowhere (gspmd: global arrays), its gradient part (shard_map: ``shard_map.PerReplica``),
+or all of it (pmap).
 """
 
 from __future__ import annotations
