@@ -45,26 +45,29 @@ def batches(vocab=VOCAB):
     return [{"tokens": rng.integers(0, vocab, (G, SEQ + 1), dtype=np.int32)} for _ in range(STEPS)]
 
 
-def train_on(sizes, strategy="gspmd"):
+def train_on(sizes, strategy="gspmd", model=build, data=batches, **options):
+    """jaxdist on the mesh ``sizes``: (losses, host params, dp, final state)."""
     mesh = jaxdist.make_mesh(**sizes)
-    dp = jaxdist.DataParallel(build, optax.sgd(0.5), loss_fn, mesh=mesh, strategy=strategy)
+    dp = jaxdist.DataParallel(
+        model, optax.sgd(0.5), loss_fn, mesh=mesh, strategy=strategy, **options
+    )
     state, losses = dp.init_state(), []
-    for batch in batches():
+    for batch in data():
         state, metrics = dp.step(state, jaxdist.shard_batch(batch, mesh))
         losses.append(dp.metrics(metrics)["loss"])
     return losses, dp.host_params(state), dp, state
 
 
-def plain_loop():
+def plain_loop(model=build, data=batches):
     """One device, optax and jax.grad only: no jaxdist."""
-    graphdef, params = nnx.split(build(), nnx.Param)
+    graphdef, params = nnx.split(model(), nnx.Param)
     tx = optax.sgd(0.5)
     opt_state, losses = tx.init(params), []
 
     def loss(p, tokens):
         return loss_fn(nnx.merge(graphdef, p), {"tokens": tokens})
 
-    for batch in batches():
+    for batch in data():
         tokens = jax.device_put(batch["tokens"], jax.devices()[0])
         value, grads = jax.value_and_grad(loss)(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)

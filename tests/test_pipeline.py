@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 
 import jaxdist
+import test_layouts as layouts
 from helpers import relative_error
 from jaxdist.errors import ModelError
 from jaxdist.models.gpt import GPT
@@ -39,31 +40,12 @@ def batches():
     return [{"tokens": rng.integers(0, VOCAB, (G, SEQ + 1), dtype=np.int32)} for _ in range(STEPS)]
 
 
-def train_on(sizes, **kw):
-    mesh = jaxdist.make_mesh(**sizes)
-    dp = jaxdist.DataParallel(stacked, optax.sgd(0.5), loss_fn, mesh=mesh, **kw)
-    state, losses = dp.init_state(), []
-    for batch in batches():
-        state, metrics = dp.step(state, jaxdist.shard_batch(batch, mesh))
-        losses.append(dp.metrics(metrics)["loss"])
-    return losses, dp.host_params(state), dp, state
+def train_on(sizes, **options):
+    return layouts.train_on(sizes, model=stacked, data=batches, **options)
 
 
 def plain_loop():
-    """One device: nnx.split, jax.grad and optax only; no jaxdist."""
-    graphdef, params = nnx.split(stacked(), nnx.Param)
-    tx = optax.sgd(0.5)
-    opt_state, losses = tx.init(params), []
-    grad_fn = jax.jit(
-        jax.value_and_grad(lambda p, t: loss_fn(nnx.merge(graphdef, p), {"tokens": t}))
-    )
-    for batch in batches():
-        value, grads = grad_fn(params, batch["tokens"])
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        losses.append(float(value))
-    flat = nnx.to_flat_state(params)
-    return losses, {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in flat}
+    return layouts.plain_loop(model=stacked, data=batches)
 
 
 @pytest.fixture(scope="module")
