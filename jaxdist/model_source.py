@@ -14,7 +14,7 @@ from flax import linen, nnx
 
 from jaxdist.adapt import as_nnx, model_copy, split_model
 from jaxdist.errors import ModelError
-from jaxdist.layout import path_name
+from jaxdist.layout import _map, path_name
 from jaxdist.models.stack import has_stack
 from jaxdist.step import make_loss, new_state
 from jaxdist.strategies import Layout
@@ -33,11 +33,10 @@ class ModelSource:
         self.has_stack = has_stack(abstract)  # a jaxdist Stack: pipelined under stage
         # Parameters stacked on a leading "layers" axis (a Stack, or Linen's nn.scan with
         # metadata_params={nn.PARTITION_NAME: "layers"}): what a stage axis can split.
-        self.stacked = [
-            path_name(path)
-            for path, var in nnx.to_flat_state(params)
-            if (var.get_metadata().get("out_sharding") or (None,))[0] == "layers"
-        ]
+        self.stacked = [path_name(p) for p, var in nnx.to_flat_state(params) if _stacked(var)]
+        # Per parameter (the layout's tree): a Stack's stacked parameter, which fsdp can
+        # gather one layer at a time.
+        self.by_layer = _map(lambda _, var: self.has_stack and _stacked(var), params)
         # Names of the parameter leaves in jax.tree.leaves order ("blocks/0/attn/kernel").
         self.leaf_paths = [path_name(path) for path, _ in jax.tree.leaves_with_path(params)]
 
@@ -88,3 +87,8 @@ def _maker(model, example_input, seed: int, linen_train_arg):
         f"expected a flax.nnx.Module, a flax.linen.Module or a function returning one, "
         f"got {type(model).__name__}"
     )
+
+
+def _stacked(variable) -> bool:
+    """Whether a parameter's first axis is a stack of layers (logical name "layers")."""
+    return (variable.get_metadata().get("out_sharding") or (None,))[0] == "layers"

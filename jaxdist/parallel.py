@@ -194,13 +194,17 @@ class Parallel:
             bound = "; ".join(f"{n!r} -> {what}" for n, what in self.axis_bindings.items())
             print(f"jaxdist: the model's axis names: {bound}", flush=True)
         replicas = None
-        if per_replica:
-            replicas = PerReplica(self.mesh, self.state_sharding.params, axis_name)
+        pipelined = bool(self.pipeline and self.pipeline.microbatches)
+        if per_replica:  # fsdp gathers a Stack's layers one at a time, unless pipelined
+            by_layer = None if pipelined else self._source.by_layer
+            replicas = PerReplica(self.mesh, self.state_sharding.params, axis_name, by_layer)
             axis_name = replicas.axis
         options = dataclasses.replace(
             self._options, axis_name=axis_name, trivial_axes=tuple(trivial)
         )
-        if self.pipeline and self.pipeline.microbatches:
+        if replicas is not None and not pipelined and self._source.has_stack:
+            options = dataclasses.replace(options, stack_runner=replicas.layer_runner)
+        if pipelined:
             self._check_pipeline_rows(batch)
             runner = functools.partial(
                 pipeline.gpipe, mesh=self.mesh, microbatches=self.pipeline.microbatches

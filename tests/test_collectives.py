@@ -89,3 +89,16 @@ def test_pipeline_sends_activations_between_stages():
     microbatch = (32 // 4 // dp.pipeline.microbatches, SEQ, 64)  # rows per device / M
     sends = [d for _, _, d in found["collective-permute"]]
     assert microbatch in sends, sends
+
+
+def test_fsdp_gathers_a_stack_one_layer_at_a_time():
+    """A Stack's (L, ...) kernels are gathered inside the layer scan, one (D, 4D) layer
+    at a time, never whole: a device holds one layer's weights, not the model's."""
+
+    def stacked():
+        return GPT(VOCAB, SEQ, 64, 4, 8, attention="xla", scan_layers=True, rngs=nnx.Rngs(0))
+
+    found, _, _ = compiled_ops(dict(data=1, fsdp=8), model=stacked)
+    layer_gathers = [(c, d) for c, _, d in found["all-gather"] if d in ((64, 256), (256, 64))]
+    assert layer_gathers and all(c != "ENTRY" for c, _ in layer_gathers), found["all-gather"]
+    assert not [d for _, _, d in found["all-gather"] if d[:1] == (4,) and len(d) == 3]

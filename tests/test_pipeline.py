@@ -115,3 +115,10 @@ def test_stage_without_a_stack_is_an_error():
     unstacked = lambda: GPT(VOCAB, SEQ, 64, LAYERS, 8, attention="xla", rngs=nnx.Rngs(0))  # noqa: E731
     with pytest.raises(ModelError, match="no stack of identical blocks"):
         jaxdist.DataParallel(unstacked, optax.sgd(0.1), loss_fn, mesh=jaxdist.make_mesh(stage=2))
+
+
+def test_fsdp_over_a_stack_equals_data_parallel(data_parallel):
+    """fsdp gathers the stacked layers one at a time inside the scan (and reduce-scatters
+    their gradients there): the same numbers as data parallelism, with grad-accum too."""
+    assert_same(train_on(dict(data=1, fsdp=8))[:2], data_parallel)
+    assert_same(train_on(dict(data=2, fsdp=4), grad_accum=2)[:2], data_parallel)

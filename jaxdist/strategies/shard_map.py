@@ -5,7 +5,8 @@ left to the compiler, and the optimizer update runs outside, on the state's layo
 as measured by ``experiments/layouts.py``: gspmd uses this only without a model axis.)
 
 Per replica, once per optimizer step (not once per microbatch):
-- parameters split over ``fsdp`` are all-gathered before use (ZeRO-3);
+- parameters split over ``fsdp`` are all-gathered before use (ZeRO-3): a ``Stack``'s one
+  layer at a time inside its scan (``layer_runner``), the others once per step;
 - the microbatches' gradients are summed locally, then reduced once: ``psum_scatter``
   over fsdp (each replica keeps its shard) and ``pmean`` over data; a parameter not split
   over fsdp is ``pmean``-ed over both, one all-reduce;
@@ -19,11 +20,14 @@ averaging it again would give N times the 1-device gradient.
 from __future__ import annotations
 
 import jax
+from flax import nnx
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.config import ConfigError
+from jaxdist.models.stack import scan_layers
 from jaxdist.replicas import mean_over_replicas
 from jaxdist.sharding import BATCH_AXES, DATA
 
@@ -38,7 +42,7 @@ class PerReplica:
     ``"batch"`` of ``BatchNorm(axis_name="batch")``) for SyncBatchNorm, which needs a
     mesh with only a data axis."""
 
-    def __init__(self, mesh: Mesh, param_shardings, axis_name: str = DATA):
+    def __init__(self, mesh: Mesh, param_shardings, axis_name: str = DATA, by_layer=None):
         beyond_data = {a: n for a, n in mesh.shape.items() if a != DATA and n > 1}
         if not beyond_data:  # data only: a 1-D mesh named as the step expects, all manual
             self.mesh = Mesh(mesh.devices.reshape(-1), (axis_name,), axis_types=mesh.axis_types[:1])
@@ -57,14 +61,36 @@ class PerReplica:
         self.fsdp = mesh.shape.get("fsdp", 1)
         self.specs = jax.tree.map(lambda s: _manual_spec(s.spec, self.manual), param_shardings)
         self.dims = jax.tree.map(lambda s: _fsdp_dim(s.spec), param_shardings)
+        # by_layer: True for the stacked parameters of a Stack, which its scan gathers one
+        # layer at a time (``layer_runner``) instead of all at once before the step.
+        by_layer = by_layer or jax.tree.map(lambda _: False, self.dims)
+        self.later = jax.tree.map(lambda d, b: bool(b) and d != NO_DIM, self.dims, by_layer)
 
         self.batch_spec = P(self.axis)
 
     def gather(self, params):
-        """Each replica's shards of fsdp-split parameters -> whole parameters."""
-        return jax.tree.map(
-            lambda d, p: p if d == NO_DIM else _on_value(p, _all_gather(d)), self.dims, params
-        )
+        """Each replica's shards of fsdp-split parameters -> whole parameters; stacked
+        ones are only marked with the dimension a layer is gathered on."""
+
+        def one(dim, later, p):
+            if dim == NO_DIM:
+                return p
+            if later:  # (L, ...) stacked: a layer's dimension dim - 1
+                return p.replace(p.get_value(), **{_LAYER_DIM: dim - 1})
+            return _on_value(p, _all_gather(dim))
+
+        return jax.tree.map(one, self.dims, self.later, params)
+
+    def layer_runner(self, apply, stacked, x):
+        """A ``Stack`` runner: the scan gathers each layer's fsdp shards just before the
+        layer runs, and again in the backward pass (ZeRO-3: one layer whole at a time);
+        all_gather's transpose reduce-scatters each layer's gradient."""
+
+        def gathered(layer, h):
+            return apply(jax.tree.map(_gather_marked, layer, is_leaf=_is_variable), h)
+
+        policy = jax.checkpoint_policies.save_anything_except_these_names(_GATHERED)
+        return scan_layers(jax.checkpoint(gathered, policy=policy), stacked, x)
 
     def reduce(self, grads):
         """Local whole gradients -> the global-batch mean, in the parameters' layout."""
@@ -73,12 +99,14 @@ class PerReplica:
             axes = tuple(a for a in axes if self.mesh.shape[a] > 1)
             return lax.pmean(x, axes) if axes else x
 
-        def one(dim, g):
+        def one(dim, later, g):
             if dim == NO_DIM:
                 return _on_value(g, lambda x: mean(x, self.axes))
+            if later:  # already summed over fsdp and scattered, layer by layer
+                return _unmarked(_on_value(g, lambda x: mean(x / self.fsdp, (DATA,))))
             return _on_value(g, lambda x: mean(_scatter(dim, self.fsdp)(x), (DATA,)))
 
-        return jax.tree.map(one, self.dims, grads)
+        return jax.tree.map(one, self.dims, self.later, grads)
 
     def grads(self, grads_fn):
         """``grads_fn(params, stats, rng_state, step, batch)`` of ``jaxdist.step.make_grads``
@@ -111,6 +139,27 @@ class PerReplica:
             axis_names=self.manual,
             check_vma=False,
         )
+
+
+_LAYER_DIM = "jaxdist_layer_gather_dim"  # Variable metadata: gather this layer's shards
+_GATHERED = "jaxdist_gathered_layer"  # checkpoint name: never saved for the backward pass
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _gather_marked(variable):
+    dim = variable.get_metadata().get(_LAYER_DIM) if _is_variable(variable) else None
+    if dim is None:
+        return variable
+    whole = lax.all_gather(variable.get_value(), "fsdp", axis=dim, tiled=True)
+    return variable.replace(checkpoint_name(whole, _GATHERED))
+
+
+def _unmarked(variable):
+    meta = {k: v for k, v in variable.get_metadata().items() if k != _LAYER_DIM}
+    return type(variable)(variable.get_value(), **meta)
 
 
 def _manual_spec(spec: P, manual) -> P:
