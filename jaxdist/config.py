@@ -111,6 +111,17 @@ class TrainConfig:
     # pmap/shard_map: a BatchNorm axis_name means the data axis (SyncBatchNorm); default:
     # each device's rows
     sync_batch_stats: bool = False
+    # orbax checkpoints in RUN_DIR/checkpoints every N steps, at the end and on preemption
+    # (SIGUSR1/SIGTERM); 0: only at the end and on preemption
+    checkpoint_every: int = 500
+    keep: int = 3  # the newest checkpoints kept
+    # auto: continue from the newest good checkpoint in the run dir; never: refuse a run
+    # dir that has checkpoints
+    resume: Literal["auto", "never"] = "auto"
+    overwrite: bool = False  # start afresh in a run dir that holds an earlier run
+    # XLA's persistent compilation cache, shared by runs: "" = the jaxdist cache's xla/
+    # ($JAXDIST_CACHE or ~/.cache/jaxdist); "off": none
+    compile_cache: str = ""
 
 
 @dataclass

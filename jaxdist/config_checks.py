@@ -84,6 +84,8 @@ RANGES: dict[str, Bound] = {
     "train.num_devices": at_least(0),  # 0: all
     "train.eval_every": at_least(0),  # 0: never
     "train.eval_batch_size": at_least(0),  # 0: the global batch
+    "train.checkpoint_every": at_least(0),  # 0: at the end and on preemption only
+    "train.keep": at_least(1),
     "dist.num_processes": at_least(0),  # 0: from the environment
     "dist.process_id": at_least(-1),  # -1: from the environment
     "dist.init_timeout": Bound(0, MAX_TIMEOUT_S, low_open=True),

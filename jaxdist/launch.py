@@ -12,8 +12,10 @@ whole group again after a failure. The group itself is ``jaxdist.procgroup``.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import time
 
 from jaxdist.procgroup import Output, free_port
 from jaxdist.procgroup import run as run_group
@@ -33,6 +35,9 @@ class Interrupted(KeyboardInterrupt):
 
 def run(command: list[str], args) -> int:
     out = Output("launch")
+    # One name for the run across restarts: the trainer's default run directory (so a
+    # restarted group resumes from the checkpoints of the one before).
+    os.environ.setdefault("JAXDIST_RUN_ID", time.strftime("%Y%m%d-%H%M%S"))
     for attempt in range(args.max_restarts + 1):
         if attempt:
             out.say(f"restart {attempt}/{args.max_restarts}")

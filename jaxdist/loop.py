@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import jax
 
 import jaxdist
 from jaxdist import data as data_lib
+from jaxdist import resume, rundir
 from jaxdist.config import Config
 from jaxdist.losses import eval_metrics
 from jaxdist.preempt import StopFlag
@@ -29,21 +31,30 @@ class Run:
     data: data_lib.Data
     batches: data_lib.Prefetcher  # device batches, built ahead in a background thread
     peak_lr: float
+    stop: StopFlag  # SIGUSR1/SIGTERM: every process stops after the same step
+    run_dir: Path | None  # None: no files, no checkpoints
+    begin: resume.Start  # the step the loop starts after (0, or a restored checkpoint's)
     history: list[dict] = field(default_factory=list)
     skipped: int = 0  # steps whose update --nan-policy skip left out
     compile_s: float = 0.0  # the first step, with compilation
     elapsed_s: float = 0.0  # the whole loop
+    saves: int = 0  # checkpoints started
+    save_blocked_s: float = 0.0  # time the loop waited for them (copies off the devices)
 
 
-def loop(run: Run, report: Reporter, stop: StopFlag) -> int | None:
-    """The training loop; returns the step it stopped at early on a signal, or None."""
+def loop(run: Run, report: Reporter) -> int | None:
+    """The training loop from the step after ``run.begin.step``; returns the step it
+    stopped after on a stop signal (a checkpoint of it saved), or None."""
     cfg = run.config.train
     state, pending = run.state, None  # pending: (step, metrics) not checked yet
     steps_since, waited_s = 0, 0.0  # since the last log line
     t_start = t_last = time.perf_counter()
-    for step in range(1, cfg.steps + 1):
+    first = run.begin.step + 1
+    for step in range(first, cfg.steps + 1):
         batch, wait_s = next(run.batches)  # built and on the devices already, normally
         state, metrics = run.dp.step(state, batch)
+        stop_after = run.stop.stop_after(step)  # the same step on every process
+        stopping = stop_after is not None and step >= stop_after
         if pending is not None:
             # One step behind: reading the previous step's health waits for it, so the loop
             # stays at most one step ahead of the devices (time spent waiting for data is
@@ -51,23 +62,43 @@ def loop(run: Run, report: Reporter, stop: StopFlag) -> int | None:
             check(run, *pending)
         pending = (step, metrics)
         steps_since, waited_s = steps_since + 1, waited_s + wait_s
+        last = step == cfg.steps or stopping
         eval_now = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
-        if step == 1 or step % cfg.log_every == 0 or step == cfg.steps or eval_now:
+        if step == first or step % cfg.log_every == 0 or last or eval_now:
             check(run, *pending)  # waits for this step
             pending = None
-            if step == 1:  # the first step also compiles: timed apart
+            if step == first:  # the first step also compiles: timed apart
                 t_last = time.perf_counter()
                 run.compile_s, steps_since, waited_s = t_last - t_start, 0, 0.0
             values = log_values(run, state, metrics, step, steps_since, waited_s, t_last)
             run.history.append(values)
             report.log(values)
             t_last, steps_since, waited_s = time.perf_counter(), 0, 0.0
-            if step < cfg.steps and stop.agreed():
-                run.state, run.elapsed_s = state, time.perf_counter() - t_start
-                return step
+        if last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+            if pending is not None:  # a checkpoint holds checked steps only
+                check(run, *pending)
+                pending = None
+            save(run, state, step, wait=stopping)
+        if stopping:
+            run.state, run.elapsed_s = state, time.perf_counter() - t_start
+            return step
     # Every step has been checked: the last one is always logged.
     run.state, run.elapsed_s = state, time.perf_counter() - t_start
     return None
+
+
+def save(run: Run, state, step: int, *, wait: bool) -> None:
+    """Starts a checkpoint of ``state`` (every process; the loop waits only while the
+    arrays are copied off the devices), or with ``wait`` finishes it before returning."""
+    if run.run_dir is None:
+        return
+    started = time.perf_counter()
+    extra = resume.extra(run.config, step, len(run.data.train))
+    run.dp.save(state, run.run_dir / rundir.CHECKPOINTS, extra=extra, keep=run.config.train.keep)
+    if wait:
+        run.dp.wait_for_saves()
+    run.saves += 1
+    run.save_blocked_s += time.perf_counter() - started
 
 
 def check(run: Run, step: int, metrics) -> None:
@@ -82,7 +113,8 @@ def log_values(run: Run, state, metrics, step, steps_since, waited_s, t_last) ->
     cfg = run.config.train
     values = run.dp.metrics(metrics)  # the step has finished: it was checked
     now = time.perf_counter()
-    step_time = run.compile_s if step == 1 else (now - t_last) / steps_since
+    first = steps_since == 0  # the loop's first step: timed with its compilation
+    step_time = run.compile_s if first else (now - t_last) / steps_since
     values.update(
         step=step,
         step_time_s=step_time,
@@ -91,7 +123,7 @@ def log_values(run: Run, state, metrics, step, steps_since, waited_s, t_last) ->
     )
     if run.task == "lm":
         values["tokens_per_s"] = values["samples_per_s"] * run.config.model.seq_len
-    if step > 1:  # the time the step waited for input, per step and as a share
+    if not first:  # the time the step waited for input, per step and as a share
         values["data_wait_s"] = waited_s / steps_since
         values["data_wait_frac"] = waited_s / (now - t_last)
     eval_every = cfg.eval_every

@@ -48,9 +48,11 @@ class ModelSource:
 
         # The state's layout (layout.state_shardings under gspmd): init makes each array
         # directly in its shards, so no device ever holds a whole copy of a sharded state.
-        self.state_sharding = layout.shardings(
-            jax.eval_shape(lambda *parts: new_state(*parts, tx), *self._abstract_state)
+        # One copy of the state, whatever the layout: what a checkpoint holds.
+        self.one_copy_state = jax.eval_shape(
+            lambda *parts: new_state(*parts, tx), *self._abstract_state
         )
+        self.state_sharding = layout.shardings(self.one_copy_state)
         self.has_batch_stats = bool(jax.tree.leaves(self._abstract_state[1]))
         self._init = jax.jit(init, out_shardings=self.state_sharding)
         # The state as the step sees it (pmap: with its leading device axis), no arrays.

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxdist import axes, health, layout, strategies
 from jaxdist.config import ConfigError
 from jaxdist.model_source import ModelSource
+from jaxdist.saved_state import SavedState
 from jaxdist.sharding import BATCH_AXES, axis_size, batch_spec, make_mesh
 from jaxdist.step import StepOptions, TrainState, make_eval_step, make_train_step
 from jaxdist.strategies import host_value, pipeline, scalars
@@ -108,6 +109,7 @@ class Parallel:
         self._loss_fn, self._eval_fn, self._tx = loss_fn, eval_fn or _no_eval_fn, optimizer
         self._options = StepOptions(grad_accum, seed, schedule, nan_policy, batch_check)
         self._wired: tuple | None = None  # on first use: needs the batch shapes
+        self._saved = SavedState(self.layout, self._source.one_copy_state, self.state_sharding)
 
     @property
     def state_sharding(self):
@@ -130,6 +132,31 @@ class Parallel:
         names = (health.NONFINITE, health.NONFINITE_LEAF, health.BAD_ROW, "loss", "grad_norm")
         values = scalars({k: metrics[k] for k in names if k in metrics})
         return health.check(values, step, self._source.leaf_paths, self.nan_policy)
+
+    def save(self, state: TrainState, directory, *, extra: dict | None = None, keep: int = 3):
+        """Starts an asynchronous checkpoint of ``state`` as ``directory/<state.step>``
+        (every process calls it; each writes its own shards); returns the seconds it
+        blocked. ``extra``: JSON-able values kept with it (the trainer: data position,
+        config). The newest ``keep`` checkpoints are kept. ``wait_for_saves()`` before
+        exit. Example: ``dp.save(state, "ckpt", extra={"epoch": 3})``."""
+        step = int(host_value(state.step).reshape(-1)[0])
+        return self._saved.checkpointer(directory, keep).save(step, self._saved.named(state), extra)
+
+    def restore(self, directory, *, step: int | None = None):
+        """``(state, extra)`` from the newest checkpoint in ``directory`` that passes its
+        fingerprints (or checkpoint ``step``), in this Parallel's layout, whatever mesh
+        or process count saved it; None if there is none. A damaged checkpoint is skipped
+        with a warning; a checkpoint of another model raises ``ConfigError``."""
+        found = self._saved.checkpointer(directory, keep=3).restore(self._saved.target, step)
+        if found is None:
+            return None
+        _, arrays, meta = found
+        extra = {k: v for k, v in meta.items() if k not in ("step", "tree", "fingerprints")}
+        return self._saved.state(arrays), extra
+
+    def wait_for_saves(self) -> None:
+        """Blocks until every checkpoint started by ``save`` is complete on disk."""
+        self._saved.wait()
 
     def evaluate(self, state: TrainState, batch) -> dict[str, float]:
         """Sums of ``eval_fn``'s per-example values over the rows of a global batch whose

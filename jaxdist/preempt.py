@@ -1,38 +1,73 @@
-"""Stop cleanly when the scheduler says so.
+"""Stop cleanly when the scheduler says so: SIGUSR1 or SIGTERM -> every process stops
+after the same step, the trainer saves a checkpoint and exits 75.
 
-SLURM's ``--signal=USR1@120`` sends SIGUSR1 two minutes before the end of the allocation.
-The handler only sets a flag; processes agree on it at the next check (an all-gather),
-so every process stops after the same step and exits 75. SIGTERM is not a stop request:
-it ends a process of a group at once with 143 (``jaxdist.process``), which is what a
-launcher ending its group, ``scancel`` or ``kill`` mean. ``jaxdist.launch`` reports exit
-75 as a preemption, not a failure, and lets the other processes stop by themselves.
+SLURM's ``--signal=USR1@120`` sends SIGUSR1 two minutes before the end of the allocation;
+SLURM's own end, ``scancel`` and Kubernetes send SIGTERM. The handler only sets a flag
+(it is installed right after the process group forms, before data is prepared, so a
+signal during set-up stops too). A second SIGTERM exits at once with 143.
+
+Agreement, polled after every step through the coordination service (one ~0.1 ms round
+trip): the first process to see its flag proposes "stop after step k + 2", where k is the
+step it has just dispatched, and the first proposal stands (``set_first``). Why + 2: the
+loop dispatches step k+1 before it reads step k's results, so when one process is at k,
+another can already have dispatched k+1 (it cannot pass k+1: its check of k+1 needs this
+process's step k+1) and will poll again at k+2 at the latest. Every process thus reads
+the same stop step before reaching it. One process needs no agreement: it stops at once.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 
-import jax
-import numpy as np
+from jaxdist import coordination, process
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later (slurm/8node.sh requeues on it)
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later (slurm/*.sh requeue on it)
+STOP_KEY = "jaxdist/stop_after_step"
+MARGIN_STEPS = 2
 
 
 class StopFlag:
-    def __init__(self, signum: int = signal.SIGUSR1):
-        self.raised = False
-        self.signum = signum
-        signal.signal(signum, self._set)
+    def __init__(self):
+        self.signal_name = ""  # the first stop signal this process got
+        self.stop_step: int | None = None  # agreed: stop after this step
+        self.requested_by = ""  # "process 1 (SIGTERM)"
+        self._proposed = False
+        signal.signal(signal.SIGUSR1, self._set)
+        if process.sigterm_watched():  # in a group: the watcher thread calls us first
+            process.stop_on_sigterm(lambda: self._set(signal.SIGTERM, None))
+        else:
+            signal.signal(signal.SIGTERM, self._sigterm)
 
     def _set(self, signum, frame) -> None:
-        self.raised = True
+        self.signal_name = self.signal_name or signal.Signals(signum).name
 
-    def agreed(self) -> bool:
-        """True on every process if any process got the signal (a collective: call it at
-        the same step on every process)."""
-        if jax.process_count() == 1:
-            return self.raised
-        from jax.experimental import multihost_utils
+    def _sigterm(self, signum, frame) -> None:
+        if self.signal_name == "SIGTERM":  # the second one: do as asked, now
+            os._exit(process.EXIT_TERMINATED)
+        self._set(signum, frame)
 
-        flags = multihost_utils.process_allgather(np.array(self.raised))
-        return bool(np.any(flags))
+    def stop_after(self, step: int) -> int | None:
+        """Call after dispatching ``step``, on every process: the step after which every
+        process stops (the same everywhere), or None to go on."""
+        if self.stop_step is not None:
+            return self.stop_step
+        if not coordination.available():
+            if self.signal_name:
+                self.stop_step, self.requested_by = step, self.signal_name
+            return self.stop_step
+        if self.signal_name and not self._proposed:
+            self._proposed = True
+            who = f"process {_process_index()} ({self.signal_name})"
+            coordination.set_first(STOP_KEY, f"{step + MARGIN_STEPS} {who}")
+        agreed = coordination.try_get(STOP_KEY)
+        if agreed is not None:
+            at, self.requested_by = agreed.split(" ", 1)
+            self.stop_step = int(at)
+        return self.stop_step
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()

@@ -108,7 +108,7 @@ def _exit_on_sigterm() -> None:
     a long step), so a thread woken by the signal through the wakeup fd exits too."""
     if threading.current_thread() is not threading.main_thread():
         return  # handlers can only be installed from the main thread
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, _ignore_in_main_thread)
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
@@ -123,8 +123,43 @@ def _watch_signals(read_fd: int, previous_fd: int) -> None:
         if previous_fd >= 0:  # whoever had the wakeup fd before still gets woken
             with contextlib.suppress(OSError):
                 os.write(previous_fd, numbers)
-        if signal.SIGTERM in numbers:
+        for _ in range(numbers.count(signal.SIGTERM)):
+            _SIGTERM_STOP.received()
+
+
+class _SigtermStop:
+    """What SIGTERM does once the group has formed: exit 143 at once, unless a training
+    loop asked for a clean stop (``stop_on_sigterm``): then the first SIGTERM calls its
+    callback and only a second one exits. Process-wide, as signal handlers are."""
+
+    def __init__(self):
+        self.callback = None
+        self.count = 0
+
+    def received(self) -> None:
+        self.count += 1
+        if self.callback is None or self.count > 1:
             _terminate()
+        self.callback()
+
+
+_SIGTERM_STOP = _SigtermStop()
+
+
+def sigterm_watched() -> bool:
+    """Whether SIGTERM goes through ``jaxdist.initialize``'s watcher (a process group)."""
+    return signal.getsignal(signal.SIGTERM) is _ignore_in_main_thread
+
+
+def stop_on_sigterm(callback) -> None:
+    """In a process group: the first SIGTERM calls ``callback`` instead of exiting."""
+    _SIGTERM_STOP.callback = callback
+
+
+def _ignore_in_main_thread(signum, frame) -> None:
+    # The watcher thread acts on every SIGTERM (it is woken even while the main thread
+    # waits in XLA); the main thread's handler only makes Python write the wakeup fd.
+    pass
 
 
 def _terminate(signum=None, frame=None) -> None:
@@ -187,8 +222,8 @@ def initialize(
     or PyTorch's ``MASTER_ADDR`` / ``MASTER_PORT`` / ``WORLD_SIZE`` / ``RANK`` /
     ``LOCAL_RANK``; else one process. ``cpu_devices=8`` emulates 8 CPU devices per process;
     ``JAXDIST_PLATFORM`` picks the platform. CPU processes talk through gloo. In a group,
-    SIGTERM then ends the process at once with exit code 143, as it would without JAX
-    (SIGUSR1 is the signal to stop cleanly: ``jaxdist.preempt``).
+    SIGTERM then ends the process at once with exit code 143, as it would without JAX,
+    unless a ``jaxdist.preempt.StopFlag`` takes it as a request to stop cleanly.
 
     Example::
 

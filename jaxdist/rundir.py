@@ -1,25 +1,108 @@
-"""The run directory (``config.yaml``, ``metrics.jsonl``): named at start, checked at
-setup, made only once the first step has trained, so that bad input, which fails before
-that (exit 2), leaves nothing behind. Process 0 only writes."""
+"""The run directory: ``config.yaml``, ``metrics.jsonl``, ``checkpoints/``.
+
+Named once for the whole group (and for every restart of it), checked at setup, made
+only once the first step has trained, so that bad input, which fails before that (exit
+2), leaves nothing behind. An earlier run in it is never silently replaced: it is
+resumed from its newest checkpoint (``--resume auto``), or refused unless
+``--overwrite``. Process 0 writes; every process reads the same shared directory.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from jaxdist import config as config_lib
 from jaxdist.config import Config
 from jaxdist.errors import ConfigError, JaxdistError
 
+CHECKPOINTS = "checkpoints"
+RUN_FILES = ("metrics.jsonl", "config.yaml", CHECKPOINTS)  # what marks an earlier run
+
 
 def run_dir_path(config: Config) -> Path:
-    """``--run-dir``, else ``runs/<model>-<strategy>-<time>``."""
+    """``--run-dir``, else ``runs/<model>-<strategy>-<id>``: the id is the SLURM job's
+    (the same after a requeue), the launcher's (the same after a restart), or process
+    0's clock, agreed by every process."""
     if config.train.run_dir:
         return Path(config.train.run_dir)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", config.model.name)
-    return Path("runs") / f"{name}-{config.train.strategy}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if os.environ.get("SLURM_JOB_ID"):
+        run_id = f"slurm{os.environ['SLURM_JOB_ID']}"
+    else:
+        run_id = os.environ.get("JAXDIST_RUN_ID") or _agreed(time.strftime("%Y%m%d-%H%M%S"))
+    return Path("runs") / f"{name}-{config.train.strategy}-{run_id}"
+
+
+def _agreed(text: str) -> str:
+    """Process 0's ``text``, on every process (each would read its own clock)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return text
+    from jax.experimental import multihost_utils
+
+    padded = np.zeros(256, np.uint8)
+    raw = text.encode()[:256]
+    padded[: len(raw)] = np.frombuffer(raw, np.uint8)
+    agreed = np.asarray(multihost_utils.broadcast_one_to_all(padded))
+    return bytes(agreed.astype(np.uint8)).rstrip(b"\0").decode()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What setup does with the run directory: start afresh or resume, and what to clear."""
+
+    resume: bool  # restore the newest good checkpoint in checkpoints/
+    clear: bool  # --overwrite of an earlier run: process 0 removes its files first
+
+
+def plan(run_dir: Path, resume: str, overwrite: bool) -> Plan:
+    """Reads ``run_dir`` (every process, the same answer); ConfigError for a directory
+    that holds an earlier run this run may not touch."""
+    earlier = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not earlier:
+        return Plan(resume=False, clear=False)
+    if overwrite:
+        return Plan(resume=False, clear=True)
+    steps = checkpoint_steps(run_dir)
+    if steps and resume == "auto":
+        return Plan(resume=True, clear=False)
+    if steps:
+        raise ConfigError(
+            f"--run-dir {run_dir} has checkpoints (newest: step {steps[0]}) and --resume is "
+            "never: continue it with --resume auto, or start afresh with --overwrite"
+        )
+    raise ConfigError(
+        f"--run-dir {run_dir} holds an earlier run ({', '.join(earlier)}) and no checkpoint "
+        "to resume from: replace it with --overwrite, or use another --run-dir"
+    )
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """Steps of the complete checkpoints in ``run_dir``, newest first (orbax renames a
+    step's directory to its number only when the save has finished)."""
+    folder = run_dir / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    return sorted((int(p.name) for p in folder.iterdir() if p.name.isdigit()), reverse=True)
+
+
+def clear(run_dir: Path) -> None:
+    """``--overwrite``: removes an earlier run's files (process 0, before anyone reads)."""
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def check_writable(path: Path, flag: str, *, is_dir: bool) -> None:
@@ -43,14 +126,33 @@ def check_writable(path: Path, flag: str, *, is_dir: bool) -> None:
         raise ConfigError(f"{flag} {path}: {target} is not writable by this user")
 
 
-def create(run_dir: Path, config: Config) -> Path:
-    """Makes ``run_dir`` with the resolved ``config.yaml`` (rerun it with ``--config``)
-    and no ``metrics.jsonl`` yet: a fresh run, not an append to an older one."""
+def create(run_dir: Path, config: Config, resumed_step: int | None = None) -> Path:
+    """Makes ``run_dir`` with the resolved ``config.yaml`` (rerun it with ``--config``).
+    Fresh: no ``metrics.jsonl`` yet. Resumed from step k: ``metrics.jsonl`` keeps its
+    records up to step k (later ones, logged by an attempt that did not save them, are
+    trained again) and is appended to."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "config.yaml"):  # replaced, whoever owned them
-            (run_dir / name).unlink(missing_ok=True)
+        metrics = run_dir / "metrics.jsonl"
+        if resumed_step is None:
+            metrics.unlink(missing_ok=True)
+        else:
+            keep = [r for r in read_metrics(metrics) if r.get("step", 0) <= resumed_step]
+            metrics.write_text("".join(json.dumps(r) + "\n" for r in keep))
         config_lib.save(config, run_dir / "config.yaml")
     except OSError as err:  # checked at setup: something changed since
         raise JaxdistError(f"--run-dir {run_dir}: cannot write the run directory: {err}") from None
-    return run_dir / "metrics.jsonl"
+    return metrics
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` (none if absent; a torn last line is dropped)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # the last line of a process killed mid-write
+            continue
+    return records

@@ -17,7 +17,7 @@ import numpy as np
 import jaxdist
 from jaxdist import config as config_lib
 from jaxdist import data as data_lib
-from jaxdist import rundir, strategies
+from jaxdist import resume, rundir, strategies
 from jaxdist.config import Config, ConfigError
 from jaxdist.factories import import_object
 from jaxdist.layout import load_rules
@@ -56,11 +56,11 @@ def batch_shards(mesh) -> int:
     return axis_size(mesh, BATCH_AXES)
 
 
-def setup(config: Config, run_dir: Path | None = None) -> Run:
-    """Built on jaxdist's public API only, as a user's own loop would be. ``run_dir``:
-    where process 0 will write, checked now."""
+def setup(config: Config, write: bool = False) -> Run:
+    """Built on jaxdist's public API only, as a user's own loop would be. ``write``: the
+    run has a run directory (checked now), checkpoints, and resumes from them."""
     cfg = config.train
-    # --- process group, devices and mesh
+    # --- process group, devices, stop signals, run directory and mesh
     d = config.dist
     info = jaxdist.initialize(
         cpu_devices=cfg.cpu_devices,
@@ -72,6 +72,9 @@ def setup(config: Config, run_dir: Path | None = None) -> Run:
         heartbeat_timeout=d.heartbeat_timeout,
     )
     print(f"[rank {info.process_index}] {info}", flush=True)  # one line per process
+    stop = StopFlag()  # before data is prepared: a signal during set-up stops cleanly too
+    resume.use_compile_cache(cfg.compile_cache)
+    run_dir, plan = resume.prepare_run_dir(config, write)
     if info.process_index == 0:  # the one that writes: an unwritable path fails now
         check_outputs(run_dir, cfg.save_params)
     if cfg.num_devices and info.process_count > 1 and cfg.num_devices != info.device_count:
@@ -91,8 +94,10 @@ def setup(config: Config, run_dir: Path | None = None) -> Run:
     data = load_data(config, task, info)
     # --- model, loss, optimizer, and the data-parallel step
     dp = make_step(config, task, data, mesh)
-    state = dp.init_state()  # the model is built here, inside jax.jit
-    # --- input: this process's rows of each global batch, on the devices ahead of use
+    # The model is built inside jax.jit, or the newest good checkpoint restored into the
+    # mesh's layout (from any layout or process count).
+    begin = resume.start(dp, run_dir, plan, config)
+    # --- input: this process's rows of each global batch from the next step on
     sampler = jaxdist.DistributedSampler(  # this data-parallel rank's rows
         len(data.train),
         cfg.global_batch_size,
@@ -101,12 +106,15 @@ def setup(config: Config, run_dir: Path | None = None) -> Run:
         mesh=mesh,
     )
     batches = data_lib.Prefetcher(
-        data_lib.host_batches(data.train, sampler),
+        data_lib.host_batches(data.train, sampler, begin.step),
         put=partial(jaxdist.shard_batch, mesh=mesh),
         depth=config.data.prefetch,
     )
     peak_lr = effective_lr(config.optim, cfg.global_batch_size)
-    return Run(config, info, mesh, task, dp, state, data, batches, peak_lr)
+    return Run(
+        config=config, info=info, mesh=mesh, task=task, dp=dp, state=begin.state, data=data,
+        batches=batches, peak_lr=peak_lr, stop=stop, run_dir=run_dir, begin=begin,
+    )  # fmt: skip
 
 
 def check_outputs(run_dir: Path | None, save_params: str) -> None:
@@ -188,10 +196,10 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
 
     ``write=False`` keeps files out (tests); ``quiet=True`` prints nothing (benchmarks)."""
     cfg = config.train
-    run_dir = rundir.run_dir_path(config) if write else None
-    run = setup(config, run_dir)
-    is_main = jaxdist.is_main_process()
-    open_metrics = partial(rundir.create, run_dir, config) if write and is_main else None
+    run = setup(config, write)
+    run_dir, is_main = run.run_dir, jaxdist.is_main_process()
+    resumed = run.begin.step if run.begin.step else None
+    open_metrics = partial(rundir.create, run_dir, config, resumed) if write and is_main else None
     report = Reporter(open_metrics, cfg.steps, show=is_main and not quiet)
     per_device = cfg.global_batch_size // batch_shards(run.mesh)
     report.print(
@@ -202,9 +210,10 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
         + (f"; {run.dp.pipeline.describe()}" if run.dp.pipeline else "")
         + (f"; run dir {run_dir}" if run_dir else "")
     )
-    stop = StopFlag()
+    if run.begin.step:
+        report.print(f"resumed from the checkpoint of step {run.begin.step} in {run_dir}")
     try:
-        stopped_at = loop(run, report, stop)
+        stopped_at = loop(run, report)
     except Exception as err:
         run.batches.close()
         report.close()
@@ -220,26 +229,34 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
         )
         os._exit(EXIT_PEER_FAILURE)
     run.batches.close()
+    run.dp.wait_for_saves()  # the last checkpoint is on disk before we say done
     report.close()
     if cfg.save_params:
         params = run.dp.host_params(run.state)  # every process: sharded arrays are gathered
         if is_main:
             Path(cfg.save_params).parent.mkdir(parents=True, exist_ok=True)
             np.savez(cfg.save_params, **params)
-    first, last = run.history[0]["loss"], run.history[-1]["loss"]
-    report.print(
-        f"done: {run.history[-1]['step']} steps in {run.elapsed_s:.1f}s (first step, "
-        f"with compilation: {run.compile_s:.1f}s); loss {first:.4f} -> {last:.4f}; "
-        f"skipped_steps {run.skipped}"
-    )
+    if run.history:
+        first, last = run.history[0]["loss"], run.history[-1]["loss"]
+        report.print(
+            f"done: {run.history[-1]['step']} steps in {run.elapsed_s:.1f}s (first step, "
+            f"with compilation: {run.compile_s:.1f}s); loss {first:.4f} -> {last:.4f}; "
+            f"skipped_steps {run.skipped}; checkpoints {run.saves}"
+        )
+    else:
+        report.print(f"done: already trained to step {run.begin.step} of {cfg.steps}")
     if stopped_at is not None:
-        raise Preempted(stopped_at)
+        raise Preempted(stopped_at, run.stop.requested_by, run_dir)
     return run
 
 
 class Preempted(Exception):
-    def __init__(self, step: int):
-        super().__init__(f"stopped at step {step} on SIGUSR1 (preemption); exit {EXIT_PREEMPTED}")
+    def __init__(self, step: int, requested_by: str, run_dir: Path | None):
+        saved = f"; checkpoint saved in {run_dir / rundir.CHECKPOINTS}" if run_dir else ""
+        super().__init__(
+            f"stopped after step {step} on a stop signal to {requested_by}{saved}; "
+            f"exit {EXIT_PREEMPTED} (run the same command again to resume)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

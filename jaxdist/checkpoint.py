@@ -1,0 +1,208 @@
+"""Checkpoints of the training state with orbax: asynchronous, sharded, verified.
+
+A checkpoint is ``DIR/<step>/`` with two orbax items: ``state``, the state's arrays by
+name (``params/blocks/0/attn/kernel``), each process writing only the shards it holds;
+and ``meta``, JSON: the names, shapes and dtypes (``tree``), a fingerprint of every
+array (``fingerprints``), and what the caller adds (the trainer: the data position and
+the resolved config). Nothing is pickled.
+
+orbax checks no checksum of array contents (a flipped byte inside a chunk file restores
+silently as a wrong value: shared/jax-notes fact 4). So every array gets a fingerprint
+at save time, computed on the devices where it lives, and again after restore: a
+mismatch names the checkpoint step, the array and both values, and the previous
+checkpoint is used instead. The fingerprint is the same for any layout (it sums over
+global element positions), so a checkpoint restored onto another mesh is verified too.
+
+orbax writes a step into a temporary directory and renames it when every process has
+finished: a save killed half way leaves no ``<step>`` directory, only the temporary one,
+which the next ``Checkpointer`` removes (process 0, synchronously).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxdist.errors import ConfigError, JaxdistError
+
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+class CorruptCheckpointError(JaxdistError):
+    """Every checkpoint in the directory failed its fingerprint check or could not be read."""
+
+
+def fingerprint(x: jax.Array) -> jax.Array:
+    """A uint32 summary of ``x``'s bits: sum over elements of bits x an odd weight of the
+    element's global position, mod 2^32. One flipped bit changes it (2^k times an odd
+    number is never 0 mod 2^32 for k < 32); it needs no reshape, so a sharded array is
+    summed where it lives and the result does not depend on the layout."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype.itemsize == 4:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    elif x.dtype.itemsize == 2:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    elif x.dtype.itemsize == 1:
+        bits = x.astype(jnp.uint8).astype(jnp.uint32)
+    else:  # 8-byte values: both halves
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    position = jnp.zeros(bits.shape, jnp.uint32)
+    for dim in range(bits.ndim):  # row-major position, mod 2^32
+        stride = int(np.prod(bits.shape[dim + 1 :], dtype=np.uint64) % 2**32)
+        position = position + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, dim) * stride
+    weight = position * jnp.uint32(0x9E3779B1) | jnp.uint32(1)
+    return jnp.sum(bits * weight, dtype=jnp.uint32)
+
+
+@jax.jit
+def _fingerprints(arrays: dict) -> dict:
+    return {name: fingerprint(x) for name, x in arrays.items()}
+
+
+def fingerprints(arrays: dict[str, jax.Array]) -> dict[str, int]:
+    """``fingerprint`` of every array, as Python ints (the same on every process)."""
+    values = _fingerprints(arrays)
+    return {name: int(np.asarray(v.addressable_data(0))) for name, v in values.items()}
+
+
+def describe(arrays: dict) -> dict[str, list]:
+    """name -> [shape, dtype]: what a checkpoint must match to be restored."""
+    return {name: [list(x.shape), str(x.dtype)] for name, x in arrays.items()}
+
+
+class Checkpointer:
+    """Checkpoints in ``directory``, the newest ``keep`` kept. ``save`` returns once the
+    arrays are copied off the devices (the state may then change); the files are
+    written in the background, and the next ``save`` waits for the previous one."""
+
+    def __init__(self, directory: Path | str, *, keep: int = 3):
+        import orbax.checkpoint as ocp
+
+        self.directory = Path(directory).absolute()
+        if jax.process_index() == 0:
+            remove_partial(self.directory)
+        multihost_utils.sync_global_devices(f"jaxdist-checkpointer:{self.directory}")
+        self._ocp = ocp
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, enable_async_checkpointing=True, create=True
+            ),
+        )
+
+    def steps(self) -> list[int]:
+        """Complete checkpoints, newest first."""
+        return sorted(self._manager.all_steps(), reverse=True)
+
+    def save(self, step: int, arrays: dict[str, jax.Array], extra: dict | None = None) -> float:
+        """Starts saving ``arrays`` as checkpoint ``step``; returns the seconds it blocked."""
+        if step in self._manager.all_steps():  # saved already (e.g. the last step)
+            return 0.0
+        started = time.perf_counter()
+        meta = {
+            "step": step,
+            "tree": describe(arrays),
+            "fingerprints": fingerprints(arrays),
+            **(extra or {}),
+        }
+        args = self._ocp.args
+        self._manager.save(
+            step,
+            args=args.Composite(state=args.StandardSave(arrays), meta=args.JsonSave(meta)),
+        )
+        return time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Blocks until the last save is complete on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def read_meta(self, step: int) -> dict:
+        args = self._ocp.args
+        restored = self._manager.restore(step, args=args.Composite(meta=args.JsonRestore()))
+        return restored["meta"]
+
+    def restore(self, target: dict[str, jax.ShapeDtypeStruct], step: int | None = None):
+        """The newest (or the given) checkpoint whose arrays pass their fingerprints, as
+        ``(step, arrays, meta)``, each array in ``target``'s sharding (any mesh: orbax
+        reads the parts each device needs). None if there is no checkpoint. A damaged
+        checkpoint is reported and skipped; a checkpoint of another model is an error."""
+        steps = [step] if step is not None else self.steps()
+        for candidate in steps:
+            meta = self.read_meta(candidate)
+            check_compatible(meta, target, candidate, self.directory)
+            arrays, problem = self._read_verified(candidate, target, meta)
+            if problem is None:
+                return candidate, arrays, meta
+            if jax.process_index() == 0:
+                print(f"jaxdist: warning: {problem}; trying an older checkpoint", flush=True)
+        if steps:
+            raise CorruptCheckpointError(
+                f"{self.directory}: no usable checkpoint (tried steps "
+                f"{', '.join(map(str, steps))}); see the warnings above"
+            )
+        return None
+
+    def _read_verified(self, step: int, target: dict, meta: dict):
+        """(arrays, None) or (None, what is wrong), the same on every process."""
+        args = self._ocp.args
+        try:
+            restored = self._manager.restore(
+                step, args=args.Composite(state=args.StandardRestore(target))
+            )["state"]
+            problem = None
+        except Exception as err:  # a truncated or unreadable file
+            restored, problem = None, f"checkpoint {step} in {self.directory} cannot be read: {err}"
+        # Agreed before the next collective: every process takes the same branch.
+        if not _all_processes_ok(problem is None):
+            return None, problem or f"checkpoint {step}: another process could not read it"
+        found = fingerprints(restored)
+        for name, expected in meta["fingerprints"].items():
+            if found[name] != expected:
+                return None, (
+                    f"checkpoint {step} in {self.directory} is corrupt: {name} has fingerprint "
+                    f"{found[name]:#010x}, saved as {expected:#010x}"
+                )
+        return restored, None
+
+
+def check_compatible(meta: dict, target: dict, step: int, directory: Path) -> None:
+    """ConfigError naming the first array whose name, shape or dtype differs."""
+    saved, wanted = meta["tree"], describe(target)
+    for name in list(wanted) + [n for n in saved if n not in wanted]:
+        if saved.get(name) != wanted.get(name):
+
+            def show(entry):
+                return "absent" if entry is None else f"{tuple(entry[0])} {entry[1]}"
+
+            raise ConfigError(
+                f"checkpoint {step} in {directory} holds a different model: {name} is "
+                f"{show(saved.get(name))} there and {show(wanted.get(name))} in this one "
+                "(start afresh with --overwrite, or in another --run-dir)"
+            )
+
+
+def _all_processes_ok(ok: bool) -> bool:
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
+def remove_partial(directory: Path) -> list[Path]:
+    """Removes the temporary directories of saves that never finished (a process killed
+    mid-save); returns them."""
+    if not directory.is_dir():
+        return []
+    partial = [p for p in directory.iterdir() if _TMP_MARK in p.name]
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return partial
