@@ -161,7 +161,7 @@ class Checkpointer:
             )["state"]
             problem = None
         except Exception as err:  # a truncated or unreadable file
-            restored, problem = None, f"checkpoint {step} in {self.directory} cannot be read: {err}"
+            restored, problem = None, _unreadable(step, self.directory, err, meta["tree"])
         # Agreed before the next collective: every process takes the same branch.
         if not _all_processes_ok(problem is None):
             return None, problem or f"checkpoint {step}: another process could not read it"
@@ -173,6 +173,21 @@ class Checkpointer:
                     f"{found[name]:#010x}, saved as {expected:#010x}"
                 )
         return restored, None
+
+
+def _unreadable(step: int, directory: Path, err: Exception, tree: dict) -> str:
+    """What could not be read: orbax names the array's storage path in its error
+    (``'path': 'params/fc/kernel/'``) among a page of TensorStore details."""
+    text = str(err)
+    name = next((n for n in tree if f"'{n}/'" in text), None)
+    reason = text.split(" See full TensorStore details")[0].splitlines()[0]
+    if name is None:
+        return f"checkpoint {step} in {directory} cannot be read: {reason}"
+    shape, dtype = tree[name]
+    return (
+        f"checkpoint {step} in {directory} cannot be read: {name} (saved as {tuple(shape)} "
+        f"{dtype}) does not decode from its stored bytes: {reason}"
+    )
 
 
 def check_compatible(meta: dict, target: dict, step: int, directory: Path) -> None:

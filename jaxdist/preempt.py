@@ -31,7 +31,7 @@ class StopFlag:
     def __init__(self):
         self.signal_name = ""  # the first stop signal this process got
         self.stop_step: int | None = None  # agreed: stop after this step
-        self.requested_by = ""  # "process 1 (SIGTERM)"
+        self.requested_by = ""  # "SIGTERM to process 1"
         self._proposed = False
         signal.signal(signal.SIGUSR1, self._set)
         if process.sigterm_watched():  # in a group: the watcher thread calls us first
@@ -58,7 +58,7 @@ class StopFlag:
             return self.stop_step
         if self.signal_name and not self._proposed:
             self._proposed = True
-            who = f"process {_process_index()} ({self.signal_name})"
+            who = f"{self.signal_name} to process {_process_index()}"
             coordination.set_first(STOP_KEY, f"{step + MARGIN_STEPS} {who}")
         agreed = coordination.try_get(STOP_KEY)
         if agreed is not None:

@@ -5,6 +5,7 @@ fast. The state itself is saved and restored by ``Parallel.save`` / ``Parallel.r
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +33,10 @@ def use_compile_cache(setting: str) -> Path | None:
     a 60-layer gradient on CPU). Programs that compile in under 0.5 s are not written."""
     if setting == "off":
         return None
-    path = Path(setting) if setting else default_cache_dir() / "xla"
+    # --compile-cache, else JAX's own variable (slurm/*.sh set it), else the jaxdist cache
+    path = Path(
+        setting or os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_cache_dir() / "xla"
+    )
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path

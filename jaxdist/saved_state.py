@@ -37,13 +37,22 @@ class SavedState:
                 self.names, jax.tree.leaves(one_copy_state), shardings, strict=True
             )
         }
-        self._fold = jax.jit(lambda s: jax.tree.map(lambda x: x[0], s), out_shardings=replicated)
+        self._replicated = replicated
         self._expand = jax.jit(layout.expand, out_shardings=state_sharding)
         self._checkpointers: dict[Path, Checkpointer] = {}
 
     def named(self, state) -> dict[str, jax.Array]:
-        one = self._fold(state) if self.layout.copies else state
+        one = jax.tree.map(self._fold, state) if self.layout.copies else state
         return dict(zip(self.names, jax.tree.leaves(one), strict=True))
+
+    def _fold(self, x: jax.Array) -> jax.Array:
+        """pmap's (N, ...) copies -> one replicated global array, built from each
+        process's own copy: with several processes pmap's outputs span only this
+        process's devices, so no jitted program could take them all."""
+        first = x.addressable_data(0)[0]  # this process's first copy (PRNG keys too)
+        devices = self._replicated.addressable_devices_indices_map(first.shape)  # in order
+        copies = [jax.device_put(first, d) for d in devices]
+        return jax.make_array_from_single_device_arrays(first.shape, self._replicated, copies)
 
     def state(self, arrays: dict[str, jax.Array]):
         one = jax.tree.unflatten(self.treedef, [arrays[name] for name in self.names])

@@ -71,8 +71,8 @@ def setup(config: Config, write: bool = False) -> Run:
         init_timeout=d.init_timeout,
         heartbeat_timeout=d.heartbeat_timeout,
     )
-    print(f"[rank {info.process_index}] {info}", flush=True)  # one line per process
     stop = StopFlag()  # before data is prepared: a signal during set-up stops cleanly too
+    print(f"[rank {info.process_index}] {info}", flush=True)  # one line per process
     resume.use_compile_cache(cfg.compile_cache)
     run_dir, plan = resume.prepare_run_dir(config, write)
     if info.process_index == 0:  # the one that writes: an unwritable path fails now
@@ -231,7 +231,7 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
     run.batches.close()
     run.dp.wait_for_saves()  # the last checkpoint is on disk before we say done
     report.close()
-    if cfg.save_params:
+    if cfg.save_params and stopped_at is None:
         params = run.dp.host_params(run.state)  # every process: sharded arrays are gathered
         if is_main:
             Path(cfg.save_params).parent.mkdir(parents=True, exist_ok=True)
@@ -254,7 +254,7 @@ class Preempted(Exception):
     def __init__(self, step: int, requested_by: str, run_dir: Path | None):
         saved = f"; checkpoint saved in {run_dir / rundir.CHECKPOINTS}" if run_dir else ""
         super().__init__(
-            f"stopped after step {step} on a stop signal to {requested_by}{saved}; "
+            f"stopped after step {step} on {requested_by}{saved}; "
             f"exit {EXIT_PREEMPTED} (run the same command again to resume)"
         )
 

@@ -155,11 +155,16 @@ def test_sigusr1_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     code = launcher.wait(timeout=60)
     out = launcher.stdout.read()
     assert code == 75, out[-2000:]
-    stops = re.findall(r"\[rank (\d)\] jaxdist: stopped at step (\d+) on SIGUSR1", out)
+    stops = re.findall(
+        r"\[rank (\d)\] jaxdist: stopped after step (\d+) on SIGUSR1 to process 1; "
+        r"checkpoint saved",
+        out,
+    )
     assert sorted(rank for rank, _ in stops) == ["0", "1"], out[-2000:]
     assert stops[0][1] == stops[1][1]  # the same step on both
     last_logged = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert last_logged["step"] == int(stops[0][1])
+    assert (run_dir / "checkpoints" / stops[0][1]).is_dir()  # saved, complete
     assert not any(alive(pid) for pid in pids)
 
 
