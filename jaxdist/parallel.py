@@ -147,7 +147,7 @@ class Parallel:
         fingerprints (or checkpoint ``step``), in this Parallel's layout, whatever mesh
         or process count saved it; None if there is none. A damaged checkpoint is skipped
         with a warning; a checkpoint of another model raises ``ConfigError``."""
-        found = self._saved.checkpointer(directory, keep=3).restore(self._saved.target, step)
+        found = self._saved.restore(directory, step)
         if found is None:
             return None
         _, arrays, meta = found

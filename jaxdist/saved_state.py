@@ -59,10 +59,23 @@ class SavedState:
         return self._expand(one) if self.layout.copies else one
 
     def checkpointer(self, directory, keep: int) -> Checkpointer:
+        """The one that saves into ``directory`` (saves there wait for each other)."""
         key = Path(directory).absolute()
         if key not in self._checkpointers:
             self._checkpointers[key] = Checkpointer(key, keep=keep)
         return self._checkpointers[key]
+
+    def restore(self, directory, step: int | None):
+        """``Checkpointer.restore`` into this layout; a directory not saved into yet is
+        read by a checkpointer of its own, so the one that saves later keeps its ``keep``."""
+        key = Path(directory).absolute()
+        if key in self._checkpointers:
+            return self._checkpointers[key].restore(self.target, step)
+        reader = Checkpointer(key)
+        try:
+            return reader.restore(self.target, step)
+        finally:
+            reader.close()
 
     def wait(self) -> None:
         for checkpointer in self._checkpointers.values():

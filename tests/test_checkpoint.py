@@ -85,6 +85,7 @@ def test_resumed_run_ends_with_the_uninterrupted_params_bit_for_bit(
         tmp_path, model, strategy=strategy, grad_accum=grad_accum
     )
     assert resumed.begin.step == STOP
+    assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [4, 8, 12, 16, 20]
     got = final_params(resumed)
     assert got.keys() == reference.keys()
     for name in reference:
@@ -212,3 +213,18 @@ def test_an_earlier_run_is_never_replaced_silently(tmp_path):
     fresh = train(_with(config(run_dir), {"train": {"overwrite": True}}), quiet=True)
     assert fresh.begin.step == 0
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
+
+
+def test_a_changed_global_batch_is_said_not_silently_trained(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train(config(run_dir), quiet=True)
+    capsys.readouterr()
+    longer = _with(config(run_dir), {"train": {"steps": 24, "global_batch_size": 32}})
+    resumed = train(longer, quiet=True)
+    out = capsys.readouterr().out
+    assert resumed.begin.step == STEPS
+    assert (
+        f"note: resuming at step {STEPS}: the global batch is 32, the checkpoint's was 16: "
+        f"batches from step {STEPS + 1} differ from the earlier run's, and the learning rate "
+        "follows --lr-scaling none"
+    ) in out, out
