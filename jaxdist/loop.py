@@ -78,7 +78,8 @@ def loop(run: Run, report: Reporter) -> int | None:
             if pending is not None:  # a checkpoint holds checked steps only
                 check(run, *pending)
                 pending = None
-            save(run, state, step, wait=stopping)
+            with run.stop.busy():
+                save(run, state, step, wait=stopping)
         if stopping:
             run.state, run.elapsed_s = state, time.perf_counter() - t_start
             return step
@@ -128,7 +129,8 @@ def log_values(run: Run, state, metrics, step, steps_since, waited_s, t_last) ->
         values["data_wait_frac"] = waited_s / (now - t_last)
     eval_every = cfg.eval_every
     if eval_every and (step % eval_every == 0 or step == cfg.steps):
-        values.update(evaluate(run, state))
+        with run.stop.busy():
+            values.update(evaluate(run, state))
     return values
 
 

@@ -17,8 +17,12 @@ the same stop step before reaching it. One process needs no agreement: it stops 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
+import threading
+import time
 
 from jaxdist import coordination, process
 
@@ -33,9 +37,12 @@ class StopFlag:
         self.stop_step: int | None = None  # agreed: stop after this step
         self.requested_by = ""  # "SIGTERM to process 1"
         self._proposed = False
+        self._last_poll: float | None = None  # when the loop last called stop_after
+        self._longest_gap_s = 0.0  # the longest time between two such calls
+        self._paused = 0  # inside `busy()`: evaluating or saving, not stepping
         signal.signal(signal.SIGUSR1, self._set)
         if process.sigterm_watched():  # in a group: the watcher thread calls us first
-            process.stop_on_sigterm(lambda: self._set(signal.SIGTERM, None))
+            process.stop_on_sigterm(self._group_sigterm)
         else:
             signal.signal(signal.SIGTERM, self._sigterm)
 
@@ -47,9 +54,46 @@ class StopFlag:
             os._exit(process.EXIT_TERMINATED)
         self._set(signum, frame)
 
+    def _group_sigterm(self) -> None:
+        self._set(signal.SIGTERM, None)
+        threading.Thread(target=self._end_if_stuck, daemon=True, name="jaxdist-stop").start()
+
+    def _end_if_stuck(self) -> None:
+        """A loop that stops polling is stuck in a collective (a peer died: gloo and NCCL
+        may wait for ever, and JAX's heartbeat takes its full timeout): no clean stop can
+        come, so SIGTERM ends the process as it would without a trainer. Stuck means no
+        poll for 3 x the longest gap between polls seen (at least 2 s), while stepping."""
+        while True:
+            time.sleep(0.2)
+            if self._last_poll is None or self._paused:
+                continue
+            patience_s = max(2.0, 3 * self._longest_gap_s)
+            if time.monotonic() - self._last_poll > patience_s:
+                print(
+                    f"jaxdist: SIGTERM: the training loop made no step in {patience_s:.0f}s "
+                    "(a peer process probably died); ending now",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(process.EXIT_TERMINATED)
+
+    @contextlib.contextmanager
+    def busy(self):
+        """Evaluating or saving: long, but not stuck (see ``_end_if_stuck``)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self._last_poll = time.monotonic()
+
     def stop_after(self, step: int) -> int | None:
         """Call after dispatching ``step``, on every process: the step after which every
         process stops (the same everywhere), or None to go on."""
+        now = time.monotonic()
+        if self._last_poll is not None:
+            self._longest_gap_s = max(self._longest_gap_s, now - self._last_poll)
+        self._last_poll = now
         if self.stop_step is not None:
             return self.stop_step
         if not coordination.available():

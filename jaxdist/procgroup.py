@@ -255,10 +255,16 @@ class Group:
             time.sleep(0.02)
         return True
 
-    def end(self, grace: float) -> None:
+    def end(self, grace: float, *, at_once: bool = False) -> None:
         """SIGTERM to every rank's process group, SIGKILL after ``grace`` s (also to the
-        children a rank that has exited left behind); then dismisses the guard."""
+        children a rank that has exited left behind); then dismisses the guard.
+        ``at_once`` (a rank failed): SIGTERM twice. The trainer takes a first SIGTERM as a
+        request to stop cleanly and save, which cannot succeed with a peer gone, and a
+        second as "exit now" (``jaxdist.preempt``); 0.2 s apart, so that they do not merge
+        into one pending signal."""
         self._signal(signal.SIGTERM)
+        if at_once and not self.wait_exited(0.2):
+            self._signal(signal.SIGTERM)
         self.wait_exited(grace)
         self._signal(signal.SIGKILL)
         self.wait_exited(KILL_WAIT_S)
@@ -290,6 +296,7 @@ def run(
     failure, by time, once the others are ended. Ctrl-C (KeyboardInterrupt) and, after
     ``timeout`` s, TimeoutError end them all and propagate."""
     group = Group(command, nproc, out, **env_options)
+    first = None
     try:
         first = group.first_failure(timeout)
         if first is not None and first.preempted:
@@ -305,4 +312,4 @@ def run(
         out.say(f"not finished after {timeout:g}s: ending all processes")
         raise
     finally:
-        group.end(grace)
+        group.end(grace, at_once=first is not None and not first.preempted)
