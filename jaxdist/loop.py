@@ -1,5 +1,6 @@
 """The training loop of ``python -m jaxdist.train``: steps, per-step health checks, log
-records and evaluation, on a ``Run`` that ``jaxdist.train.setup`` built."""
+records and evaluation, on a ``Run`` that ``jaxdist.train.setup`` built. What it reports
+goes out as events (``jaxdist.sinks.events``) to the run's sinks."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import jax
 
 import jaxdist
 from jaxdist import data as data_lib
+from jaxdist import flops as flops_lib
 from jaxdist.config import Config
 from jaxdist.losses import eval_metrics
 from jaxdist.preempt import StopFlag
-from jaxdist.report import Reporter
+from jaxdist.sinks import Sinks
+from jaxdist.sinks.events import Compiled, EvalMetrics, StepFlops, StepMetrics, StepStarting
 
 
 @dataclass
@@ -33,15 +36,17 @@ class Run:
     skipped: int = 0  # steps whose update --nan-policy skip left out
     compile_s: float = 0.0  # the first step, with compilation
     elapsed_s: float = 0.0  # the whole loop
+    flops: StepFlops | None = None  # FLOPs per step and peak, known after the first step
 
 
-def loop(run: Run, report: Reporter, stop: StopFlag) -> int | None:
+def loop(run: Run, sinks: Sinks, stop: StopFlag) -> int | None:
     """The training loop; returns the step it stopped at early on a signal, or None."""
     cfg = run.config.train
     state, pending = run.state, None  # pending: (step, metrics) not checked yet
     steps_since, waited_s = 0, 0.0  # since the last log line
     t_start = t_last = time.perf_counter()
     for step in range(1, cfg.steps + 1):
+        sinks.emit(StepStarting(step))
         batch, wait_s = next(run.batches)  # built and on the devices already, normally
         state, metrics = run.dp.step(state, batch)
         if pending is not None:
@@ -56,11 +61,17 @@ def loop(run: Run, report: Reporter, stop: StopFlag) -> int | None:
             check(run, *pending)  # waits for this step
             pending = None
             if step == 1:  # the first step also compiles: timed apart
+                run.flops = flops_lib.for_run(run, batch)  # its compiled step: cached
                 t_last = time.perf_counter()
-                run.compile_s, steps_since, waited_s = t_last - t_start, 0, 0.0
-            values = log_values(run, state, metrics, step, steps_since, waited_s, t_last)
+                run.compile_s = t_last - t_start
+                sinks.emit(Compiled(step, run.compile_s, run.flops))
+            values = log_values(run, metrics, step, steps_since, waited_s, t_last)
+            timed_s = run.compile_s if step == 1 else values["step_time_s"] * steps_since
+            if eval_now:
+                values.update(evaluate_at(run, state, step, sinks))
             run.history.append(values)
-            report.log(values)
+            timing = (steps_since, timed_s, waited_s, step == 1)  # step 1: compiling
+            sinks.emit(StepMetrics(step, values, *timing))
             t_last, steps_since, waited_s = time.perf_counter(), 0, 0.0
             if step < cfg.steps and stop.agreed():
                 run.state, run.elapsed_s = state, time.perf_counter() - t_start
@@ -77,8 +88,9 @@ def check(run: Run, step: int, metrics) -> None:
         run.skipped += 1
 
 
-def log_values(run: Run, state, metrics, step, steps_since, waited_s, t_last) -> dict:
-    """One metrics.jsonl record: the step's metrics, speed, data wait and evaluation."""
+def log_values(run: Run, metrics, step, steps_since, waited_s, t_last) -> dict:
+    """One metrics.jsonl record: the step's metrics, speed, MFU, device memory and data
+    wait."""
     cfg = run.config.train
     values = run.dp.metrics(metrics)  # the step has finished: it was checked
     now = time.perf_counter()
@@ -94,10 +106,22 @@ def log_values(run: Run, state, metrics, step, steps_since, waited_s, t_last) ->
     if step > 1:  # the time the step waited for input, per step and as a share
         values["data_wait_s"] = waited_s / steps_since
         values["data_wait_frac"] = waited_s / (now - t_last)
-    eval_every = cfg.eval_every
-    if eval_every and (step % eval_every == 0 or step == cfg.steps):
-        values.update(evaluate(run, state))
+        mfu = run.flops.mfu(step_time) if run.flops else None
+        if mfu is not None:
+            values["mfu"] = mfu
+    memory_gb = flops_lib.device_memory_gb()
+    if memory_gb is not None:
+        values["memory_gb"] = memory_gb
     return values
+
+
+def evaluate_at(run: Run, state, step: int, sinks: Sinks) -> dict[str, float]:
+    """The held-out metrics (``eval_*``), timed and emitted."""
+    started = time.perf_counter()
+    held_out = evaluate(run, state)
+    values = {k.removeprefix("eval_"): v for k, v in held_out.items()}
+    sinks.emit(EvalMetrics(step, values, time.perf_counter() - started))
+    return held_out
 
 
 def evaluate(run: Run, state) -> dict[str, float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -16,8 +17,8 @@ import numpy as np
 
 import jaxdist
 from jaxdist import config as config_lib
+from jaxdist import config_checks, rundir, strategies
 from jaxdist import data as data_lib
-from jaxdist import rundir, strategies
 from jaxdist.config import Config, ConfigError
 from jaxdist.factories import import_object
 from jaxdist.layout import load_rules
@@ -27,8 +28,9 @@ from jaxdist.models import model_factory, model_task
 from jaxdist.optim import effective_lr, make_optimizer, make_schedule
 from jaxdist.preempt import EXIT_PREEMPTED, StopFlag
 from jaxdist.process import EXIT_PEER_FAILURE, exit_now
-from jaxdist.report import Reporter
 from jaxdist.sharding import BATCH_AXES, axis_size, parse_mesh
+from jaxdist.sinks import Note, Sinks, Started, Stopped
+from jaxdist.sinks.goodput import process_clock_start
 
 # Seen alike by every process (bad input, a bad batch, a non-finite step): each reports it.
 STEP_ERRORS = (jaxdist.JaxdistError, jaxdist.NonFiniteError)
@@ -183,31 +185,37 @@ def load_data(config: Config, task: str, info: jaxdist.ProcessInfo) -> data_lib.
     return data
 
 
-def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
+def train(
+    config: Config, *, write: bool = True, quiet: bool = False, clock_start: float | None = None
+) -> Run:
     """Trains for ``config.train.steps`` optimizer steps; returns the finished Run.
 
-    ``write=False`` keeps files out (tests); ``quiet=True`` prints nothing (benchmarks)."""
+    ``write=False`` keeps files out (tests); ``quiet=True`` prints nothing (benchmarks);
+    ``clock_start``: the ``time.perf_counter()`` reading goodput's wall time starts at
+    (default: now; the command passes its process's start)."""
+    clock_start = time.perf_counter() if clock_start is None else clock_start
     cfg = config.train
     run_dir = rundir.run_dir_path(config) if write else None
     run = setup(config, run_dir)
-    is_main = jaxdist.is_main_process()
-    open_metrics = partial(rundir.create, run_dir, config) if write and is_main else None
-    report = Reporter(open_metrics, cfg.steps, show=is_main and not quiet)
+    sinks = make_sinks(config, run_dir, quiet, clock_start)
     per_device = cfg.global_batch_size // batch_shards(run.mesh)
-    report.print(
-        f"jaxdist: {cfg.strategy} on {run.mesh.size} {run.info.platform} device(s) in "
-        f"{run.info.process_count} process(es); global batch {cfg.global_batch_size} = "
-        f"{batch_shards(run.mesh)} x {per_device} (grad-accum {cfg.grad_accum}); effective lr "
-        f"{run.peak_lr:.3g} ({config.optim.lr_scaling} scaling)"
-        + (f"; {run.dp.pipeline.describe()}" if run.dp.pipeline else "")
-        + (f"; run dir {run_dir}" if run_dir else "")
+    sinks.emit(
+        Note(
+            f"jaxdist: {cfg.strategy} on {run.mesh.size} {run.info.platform} device(s) in "
+            f"{run.info.process_count} process(es); global batch {cfg.global_batch_size} = "
+            f"{batch_shards(run.mesh)} x {per_device} (grad-accum {cfg.grad_accum}); "
+            f"effective lr {run.peak_lr:.3g} ({config.optim.lr_scaling} scaling)"
+            + (f"; {run.dp.pipeline.describe()}" if run.dp.pipeline else "")
+            + (f"; run dir {run_dir}" if run_dir else "")
+        )
     )
+    sinks.emit(started(config, run.task))
     stop = StopFlag()
     try:
-        stopped_at = loop(run, report, stop)
+        stopped_at = loop(run, sinks, stop)
     except Exception as err:
         run.batches.close()
-        report.close()
+        sinks.close()
         if run.info.process_count == 1 or isinstance(err, STEP_ERRORS):
             raise
         # A collective failed: a peer died. Exit now; JAX's shutdown barrier would otherwise
@@ -220,21 +228,52 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
         )
         os._exit(EXIT_PEER_FAILURE)
     run.batches.close()
-    report.close()
     if cfg.save_params:
         params = run.dp.host_params(run.state)  # every process: sharded arrays are gathered
-        if is_main:
+        if jaxdist.is_main_process():
             Path(cfg.save_params).parent.mkdir(parents=True, exist_ok=True)
             np.savez(cfg.save_params, **params)
-    first, last = run.history[0]["loss"], run.history[-1]["loss"]
-    report.print(
-        f"done: {run.history[-1]['step']} steps in {run.elapsed_s:.1f}s (first step, "
-        f"with compilation: {run.compile_s:.1f}s); loss {first:.4f} -> {last:.4f}; "
-        f"skipped_steps {run.skipped}"
-    )
+    sinks.emit(Stopped(run.history[-1]["step"], early=stopped_at is not None))
+    sinks.close()
     if stopped_at is not None:
         raise Preempted(stopped_at)
     return run
+
+
+def make_sinks(config: Config, run_dir: Path | None, quiet: bool, clock_start: float) -> Sinks:
+    """Where the run's events go. Process 0: metrics.jsonl, goodput.json, TensorBoard
+    (with a run directory) and the terminal (unless quiet); the profiler on process 0,
+    or on every process with --profile-all-processes."""
+    from jaxdist.sinks import GoodputFile, Ledger, MetricsFile, Profiler, TensorBoard, Terminal
+
+    cfg = config.train
+    sinks = []
+    is_main = jaxdist.is_main_process()
+    write = run_dir is not None and is_main
+    if write:
+        sinks.append(MetricsFile(partial(rundir.create, run_dir, config)))
+    goodput = GoodputFile(run_dir, clock_start) if write else Ledger(clock_start)
+    sinks.append(goodput)
+    if write and cfg.tensorboard:
+        sinks.append(TensorBoard(run_dir / "tb"))
+    if cfg.profile and run_dir is not None and (is_main or cfg.profile_all_processes):
+        start, stop = config_checks.profile_range(cfg.profile, cfg.steps)
+        index = jax.process_index()
+        log_dir = run_dir / "profile" / (f"process_{index}" if index else "")
+        sinks.append(Profiler(log_dir, start, stop))
+    if is_main and not quiet:
+        sinks.append(Terminal(goodput))
+    return Sinks(sinks)
+
+
+def started(config: Config, task: str) -> Started:
+    cfg = config.train
+    return Started(
+        total_steps=cfg.steps,
+        config=config_lib.to_dict(config),
+        samples_per_step=cfg.global_batch_size,
+        tokens_per_step=cfg.global_batch_size * config.model.seq_len if task == "lm" else 0,
+    )
 
 
 class Preempted(Exception):
@@ -245,7 +284,7 @@ class Preempted(Exception):
 def main(argv: list[str] | None = None) -> int:
     try:
         config = config_lib.parse_args(argv)
-        train(config)
+        train(config, clock_start=process_clock_start())
     except jaxdist.JaxdistError as err:
         print(f"{rank_prefix()}jaxdist: error: {err}", file=sys.stderr, flush=True)
         return 2
