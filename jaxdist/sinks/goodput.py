@@ -141,6 +141,7 @@ class GoodputFile(Ledger):
         self.every_s = every_s
         self.earlier: list[dict] = []  # attempts before this one (a resumed run)
         self.written_at: float | None = None
+        self.stopped = False
 
     def on_resumed(self, event: Resumed) -> None:
         super().on_resumed(event)
@@ -157,11 +158,12 @@ class GoodputFile(Ledger):
             self.write(event.time_s)
 
     def on_stopped(self, event) -> None:
+        self.stopped = True
         if self.written_at is not None:
             self.write(event.time_s)
 
-    def close(self) -> None:  # also after a failure: the time until now is accounted
-        if self.written_at is not None:
+    def close(self) -> None:  # after a failure: the time until now is accounted too
+        if self.written_at is not None and not self.stopped:
             self.write(time.perf_counter())
 
     def report(self, now: float | None = None) -> dict:

@@ -11,25 +11,31 @@ from jaxdist.sinks import Sink
 from jaxdist.sinks.events import Compiled, Note, Started, StepMetrics, Stopped
 from jaxdist.sinks.summary import Summary
 
+FIELDS = [  # (key, how it is shown); a figure the record lacks is left out
+    ("loss", "loss {:.4f}"),
+    ("lr", "lr {:.2e}"),
+    ("grad_norm", "grad_norm {:.3f}"),
+    ("tokens_per_s", "{:,.0f} tok/s"),
+    ("samples_per_s", "{:,.0f} samples/s"),
+    ("mfu", "mfu {:.1%}"),
+    ("data_wait_frac", "data wait {:.0%}"),
+    ("skipped_steps", "skipped {}"),
+    ("eval_loss", "eval_loss {:.4f}"),
+    ("eval_bpb", "eval_bpb {:.3f}"),
+    ("eval_accuracy", "eval_accuracy {:.3f}"),
+]
+
 
 def line(metrics: dict) -> str:
     """A logged step's figures, as the progress bar and the plain lines show them."""
-    parts = [f"loss {metrics['loss']:.4f}", f"lr {metrics['lr']:.2e}"]
-    parts.append(f"grad_norm {metrics['grad_norm']:.3f}")
-    if "tokens_per_s" in metrics:
-        parts.append(f"{metrics['tokens_per_s']:,.0f} tok/s")
-    else:
-        parts.append(f"{metrics['samples_per_s']:,.0f} samples/s")
-    if "mfu" in metrics:
-        parts.append(f"mfu {metrics['mfu']:.1%}")
-    if "data_wait_frac" in metrics:
-        parts.append(f"data wait {metrics['data_wait_frac']:.0%}")
-    if metrics.get("skipped_steps"):
-        parts.append(f"skipped {metrics['skipped_steps']}")
-    for name, fmt in [("eval_loss", ".4f"), ("eval_bpb", ".3f"), ("eval_accuracy", ".3f")]:
-        if name in metrics:
-            parts.append(f"{name} {metrics[name]:{fmt}}")
-    return "  ".join(parts)
+    shown = dict(metrics)
+    if "tokens_per_s" in shown:  # a language model: tokens, not samples
+        shown.pop("samples_per_s", None)
+    if not shown.get("skipped_steps"):
+        shown.pop("skipped_steps", None)
+    return "  ".join(
+        fmt.format(shown[k]) for k, fmt in FIELDS if isinstance(shown.get(k), int | float)
+    )
 
 
 class Terminal(Sink):
