@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jaxdist.flops import gpt_flops_per_token
+
 HERE = Path(__file__).resolve().parent
 SIZES = {  # GPT-2 sizes; batch 16 x 1024 tokens, vocabulary 50304 (50257 padded to 64)
     "124M": dict(n_layers=12, d_model=768, n_heads=12),
@@ -35,12 +37,7 @@ GPU_RUN = dict(batch=16, seq_len=1024, vocab_size=50304, dtype="bfloat16")
 CPU_SIZES = {"tiny": dict(n_layers=2, d_model=64, n_heads=4)}
 CPU_RUN = dict(batch=4, seq_len=64, vocab_size=512, dtype="float32")
 WHO = ("jaxdist", "plain-jax", "torch.compile")
-
-
-def flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
-    """6N (forward + backward of every weight) + 12 L d T (attention scores and values):
-    124M at T = 1024: 6 * 124.4M + 12 * 12 * 768 * 1024 = 0.86 GFLOP per token."""
-    return 6 * n_params + 12 * n_layers * d_model * seq_len
+flops_per_token = gpt_flops_per_token  # bench_gpt_one imports it from here
 
 
 def parse(argv=None) -> argparse.Namespace:

@@ -13,8 +13,10 @@ The public API (PyTorch names in brackets)::
     jaxdist.mean_over_replicas(tree)                  # [all_reduce / world_size], in a step
     jaxdist.sum_over_replicas(tree)                   # [all_reduce], in a step
     jaxdist.barrier("name"); jaxdist.is_main_process(); jaxdist.print_main(...)
+    sinks = jaxdist.sinks.Sinks([jaxdist.sinks.TensorBoard("runs/mine/tb")])  # what a run shows
 """
 
+from jaxdist import sinks
 from jaxdist.adapt import as_nnx
 from jaxdist.errors import JaxdistError, ModelError
 from jaxdist.health import BadBatchError, NonFiniteError
@@ -49,6 +51,7 @@ __all__ = [
     "print_main",
     "replica_index",
     "shard_batch",
+    "sinks",
     "spawn",
     "step_key",
     "sum_over_replicas",

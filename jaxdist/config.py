@@ -122,6 +122,12 @@ class TrainConfig:
     # XLA's persistent compilation cache, shared by runs: "" = the jaxdist cache's xla/
     # ($JAXDIST_CACHE or ~/.cache/jaxdist); "off": none
     compile_cache: str = ""
+    # what a run shows: TensorBoard event files in RUN_DIR/tb (process 0)
+    tensorboard: bool = True
+    # "START:STOP": a jax.profiler trace of those steps in RUN_DIR/profile
+    profile: str = ""
+    profile_all_processes: bool = False  # every process traces (RUN_DIR/profile/process_N)
+    peak_tflops: float = 0.0  # one device's peak, for MFU; 0: from the device table
 
 
 @dataclass
@@ -199,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["choices"] = typing.get_args(typ)
         elif typ is bool:  # "--flag" alone means true; "--flag false" also works
             kwargs.update(type=_cli_bool, nargs="?", const=True)
+            no_flag = "--no-" + flag_name(f).removeprefix("--")  # and "--no-flag"
+            parser.add_argument(
+                no_flag,
+                dest=kwargs["dest"],
+                action="store_const",
+                const=False,
+                default=argparse.SUPPRESS,
+                help=f"{section}.{f.name} = false",
+            )
         else:
             kwargs["type"] = typ if typ in (int, float) else str
         default = f.default if f.default is not dataclasses.MISSING else None

@@ -86,6 +86,7 @@ RANGES: dict[str, Bound] = {
     "train.eval_batch_size": at_least(0),  # 0: the global batch
     "train.checkpoint_every": at_least(0),  # 0: at the end and on preemption only
     "train.keep": at_least(1),
+    "train.peak_tflops": at_least(0),  # 0: from the device table
     "dist.num_processes": at_least(0),  # 0: from the environment
     "dist.process_id": at_least(-1),  # -1: from the environment
     "dist.init_timeout": Bound(0, MAX_TIMEOUT_S, low_open=True),
@@ -139,6 +140,8 @@ def validate(config) -> None:
             if isinstance(value, int | float) and not isinstance(value, bool):
                 _check_number(f"{section.name}.{f.name}", flag_name(f), value)
     parse_model_args(config.model.model_args)  # bad syntax: exit 2 before anything runs
+    if config.train.profile:
+        profile_range(config.train.profile, config.train.steps)
     if config.model.d_model % config.model.n_heads:
         raise ConfigError(
             f"model.d_model={config.model.d_model} is not divisible by "
@@ -152,3 +155,19 @@ def _check_number(key: str, flag: str, value: float) -> None:
     bound = RANGES[key]  # every numeric field has one (tests/test_bad_input.py checks)
     if not bound.holds(value):
         raise ConfigError(f"{key} ({flag}): must be {bound}, got {value}")
+
+
+def profile_range(text: str, total_steps: int) -> tuple[int, int]:
+    """``--profile "START:STOP"`` -> (START, STOP) with 1 <= START <= STOP <= the last
+    step; a ConfigError naming the numbers otherwise."""
+    start_text, sep, stop_text = text.partition(":")
+    if not sep or not start_text.strip().isdigit() or not stop_text.strip().isdigit():
+        raise ConfigError(f"--profile {text!r}: expected START:STOP (steps), e.g. 10:15")
+    start, stop = int(start_text), int(stop_text)
+    if not 1 <= start <= stop:
+        raise ConfigError(f"--profile {text}: needs 1 <= START <= STOP, got {start}:{stop}")
+    if stop > total_steps:
+        raise ConfigError(
+            f"--profile {text}: step {stop} is beyond the last step, {total_steps} (--steps)"
+        )
+    return start, stop

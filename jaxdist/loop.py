@@ -1,5 +1,6 @@
 """The training loop of ``python -m jaxdist.train``: steps, per-step health checks, log
-records and evaluation, on a ``Run`` that ``jaxdist.train.setup`` built."""
+records and evaluation, on a ``Run`` that ``jaxdist.train.setup`` built. What it reports
+goes out as events (``jaxdist.sinks.events``) to the run's sinks."""
 
 from __future__ import annotations
 
@@ -11,11 +12,20 @@ import jax
 
 import jaxdist
 from jaxdist import data as data_lib
+from jaxdist import flops as flops_lib
 from jaxdist import resume, rundir
 from jaxdist.config import Config
 from jaxdist.losses import eval_metrics
 from jaxdist.preempt import StopFlag
-from jaxdist.report import Reporter
+from jaxdist.sinks import Sinks
+from jaxdist.sinks.events import (
+    CheckpointSaved,
+    Compiled,
+    EvalMetrics,
+    StepFlops,
+    StepMetrics,
+    StepStarting,
+)
 
 
 @dataclass
@@ -38,11 +48,11 @@ class Run:
     skipped: int = 0  # steps whose update --nan-policy skip left out
     compile_s: float = 0.0  # the first step, with compilation
     elapsed_s: float = 0.0  # the whole loop
+    flops: StepFlops | None = None  # FLOPs per step and peak, known after the first step
     saves: int = 0  # checkpoints started
-    save_blocked_s: float = 0.0  # time the loop waited for them (copies off the devices)
 
 
-def loop(run: Run, report: Reporter) -> int | None:
+def loop(run: Run, sinks: Sinks) -> int | None:
     """The training loop from the step after ``run.begin.step``; returns the step it
     stopped after on a stop signal (a checkpoint of it saved), or None."""
     cfg = run.config.train
@@ -51,6 +61,7 @@ def loop(run: Run, report: Reporter) -> int | None:
     t_start = t_last = time.perf_counter()
     first = run.begin.step + 1
     for step in range(first, cfg.steps + 1):
+        sinks.emit(StepStarting(step))
         batch, wait_s = next(run.batches)  # built and on the devices already, normally
         state, metrics = run.dp.step(state, batch)
         stop_after = run.stop.stop_after(step)  # the same step on every process
@@ -68,18 +79,23 @@ def loop(run: Run, report: Reporter) -> int | None:
             check(run, *pending)  # waits for this step
             pending = None
             if step == first:  # the first step also compiles: timed apart
+                run.flops = flops_lib.for_run(run, batch)  # its compiled step: cached
                 t_last = time.perf_counter()
-                run.compile_s, steps_since, waited_s = t_last - t_start, 0, 0.0
-            values = log_values(run, state, metrics, step, steps_since, waited_s, t_last)
+                run.compile_s = t_last - t_start
+                sinks.emit(Compiled(step, run.compile_s, run.flops))
+            values = log_values(run, metrics, step, steps_since, waited_s, t_last, step == first)
+            timed_s = run.compile_s if step == first else values["step_time_s"] * steps_since
+            if eval_now:
+                values.update(evaluate_at(run, state, step, sinks))
             run.history.append(values)
-            report.log(values)
+            timing = (steps_since, timed_s, waited_s, step == first)  # first: compiling
+            sinks.emit(StepMetrics(step, values, *timing))
             t_last, steps_since, waited_s = time.perf_counter(), 0, 0.0
         if last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             if pending is not None:  # a checkpoint holds checked steps only
                 check(run, *pending)
                 pending = None
-            with run.stop.busy():
-                save(run, state, step, wait=stopping)
+            t_last += save(run, state, step, sinks, wait=last)  # not step time; the last: on disk
         if stopping:
             run.state, run.elapsed_s = state, time.perf_counter() - t_start
             return step
@@ -88,18 +104,23 @@ def loop(run: Run, report: Reporter) -> int | None:
     return None
 
 
-def save(run: Run, state, step: int, *, wait: bool) -> None:
+def save(run: Run, state, step: int, sinks: Sinks, *, wait: bool) -> float:
     """Starts a checkpoint of ``state`` (every process; the loop waits only while the
-    arrays are copied off the devices), or with ``wait`` finishes it before returning."""
+    arrays are copied off the devices), or with ``wait`` finishes it before returning;
+    returns the seconds the loop was blocked."""
     if run.run_dir is None:
-        return
+        return 0.0
     started = time.perf_counter()
     extra = resume.extra(run.config, step, len(run.data.train))
-    run.dp.save(state, run.run_dir / rundir.CHECKPOINTS, extra=extra, keep=run.config.train.keep)
-    if wait:
-        run.dp.wait_for_saves()
+    with run.stop.busy():
+        checkpoints = run.run_dir / rundir.CHECKPOINTS
+        run.dp.save(state, checkpoints, extra=extra, keep=run.config.train.keep)
+        if wait:
+            run.dp.wait_for_saves()
     run.saves += 1
-    run.save_blocked_s += time.perf_counter() - started
+    blocked_s = time.perf_counter() - started
+    sinks.emit(CheckpointSaved(step, blocked_s=blocked_s))
+    return blocked_s
 
 
 def check(run: Run, step: int, metrics) -> None:
@@ -109,13 +130,13 @@ def check(run: Run, step: int, metrics) -> None:
         run.skipped += 1
 
 
-def log_values(run: Run, state, metrics, step, steps_since, waited_s, t_last) -> dict:
-    """One metrics.jsonl record: the step's metrics, speed, data wait and evaluation."""
+def log_values(run: Run, metrics, step, steps_since, waited_s, t_last, compiling) -> dict:
+    """One metrics.jsonl record: the step's metrics, speed, MFU, device memory and data
+    wait."""
     cfg = run.config.train
     values = run.dp.metrics(metrics)  # the step has finished: it was checked
     now = time.perf_counter()
-    first = steps_since == 0  # the loop's first step: timed with its compilation
-    step_time = run.compile_s if first else (now - t_last) / steps_since
+    step_time = run.compile_s if compiling else (now - t_last) / steps_since
     values.update(
         step=step,
         step_time_s=step_time,
@@ -124,14 +145,26 @@ def log_values(run: Run, state, metrics, step, steps_since, waited_s, t_last) ->
     )
     if run.task == "lm":
         values["tokens_per_s"] = values["samples_per_s"] * run.config.model.seq_len
-    if not first:  # the time the step waited for input, per step and as a share
+    if not compiling:  # the time the step waited for input, per step and as a share
         values["data_wait_s"] = waited_s / steps_since
         values["data_wait_frac"] = waited_s / (now - t_last)
-    eval_every = cfg.eval_every
-    if eval_every and (step % eval_every == 0 or step == cfg.steps):
-        with run.stop.busy():
-            values.update(evaluate(run, state))
+        mfu = run.flops.mfu(step_time) if run.flops else None
+        if mfu is not None:
+            values["mfu"] = mfu
+    memory_gb = flops_lib.device_memory_gb()
+    if memory_gb is not None:
+        values["memory_gb"] = memory_gb
     return values
+
+
+def evaluate_at(run: Run, state, step: int, sinks: Sinks) -> dict[str, float]:
+    """The held-out metrics (``eval_*``), timed and emitted."""
+    started = time.perf_counter()
+    with run.stop.busy():
+        held_out = evaluate(run, state)
+    values = {k.removeprefix("eval_"): v for k, v in held_out.items()}
+    sinks.emit(EvalMetrics(step, values, time.perf_counter() - started))
+    return held_out
 
 
 def evaluate(run: Run, state) -> dict[str, float]:

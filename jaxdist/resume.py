@@ -16,6 +16,7 @@ from jaxdist import config as config_lib
 from jaxdist import rundir
 from jaxdist.config import Config
 from jaxdist.data.text import default_cache_dir
+from jaxdist.sinks.goodput import earlier_last_step
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Start:
 
     state: jaxdist.TrainState
     step: int  # optimizer steps already taken (0: a fresh run)
-    earlier_last_step: int | None  # the last step an earlier attempt logged (resumed runs)
+    earlier_last_step: int  # the last step earlier attempts reached (resumed runs; else 0)
 
 
 def use_compile_cache(setting: str) -> Path | None:
@@ -59,15 +60,14 @@ def prepare_run_dir(config: Config, write: bool) -> tuple[Path | None, rundir.Pl
 def start(dp: jaxdist.Parallel, run_dir: Path | None, plan: rundir.Plan, config: Config) -> Start:
     """The initial state, or the newest good checkpoint's (resharded to this layout)."""
     if not plan.resume:
-        return Start(dp.init_state(), 0, None)
+        return Start(dp.init_state(), 0, 0)
     restored = dp.restore(run_dir / rundir.CHECKPOINTS)
     if restored is None:
-        return Start(dp.init_state(), 0, None)
+        return Start(dp.init_state(), 0, 0)
     state, extra = restored
     step = int(jax.device_get(state.step).reshape(-1)[0])
     _say_what_changed(extra.get("data", {}), config, step)
-    logged = [r["step"] for r in rundir.read_metrics(run_dir / "metrics.jsonl") if "step" in r]
-    return Start(state, step, max(logged, default=None))
+    return Start(state, step, earlier_last_step(run_dir))
 
 
 def extra(config: Config, step: int, examples: int) -> dict:

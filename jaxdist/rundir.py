@@ -24,7 +24,8 @@ from jaxdist.config import Config
 from jaxdist.errors import ConfigError, JaxdistError
 
 CHECKPOINTS = "checkpoints"
-RUN_FILES = ("metrics.jsonl", "config.yaml", CHECKPOINTS)  # what marks an earlier run
+# What an earlier run leaves (--overwrite removes them all)
+RUN_FILES = ("metrics.jsonl", "config.yaml", CHECKPOINTS, "goodput.json", "tb", "profile")
 
 
 def run_dir_path(config: Config) -> Path:

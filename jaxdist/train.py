@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -27,8 +28,10 @@ from jaxdist.models import model_factory, model_task
 from jaxdist.optim import effective_lr, make_optimizer, make_schedule
 from jaxdist.preempt import EXIT_PREEMPTED, StopFlag
 from jaxdist.process import EXIT_PEER_FAILURE, exit_now
-from jaxdist.report import Reporter
+from jaxdist.reporting import make_sinks, started
 from jaxdist.sharding import BATCH_AXES, axis_size, parse_mesh
+from jaxdist.sinks import Note, Resumed, Stopped
+from jaxdist.sinks.goodput import process_clock_start
 
 # Seen alike by every process (bad input, a bad batch, a non-finite step): each reports it.
 STEP_ERRORS = (jaxdist.JaxdistError, jaxdist.NonFiniteError)
@@ -191,32 +194,39 @@ def load_data(config: Config, task: str, info: jaxdist.ProcessInfo) -> data_lib.
     return data
 
 
-def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
+def train(
+    config: Config, *, write: bool = True, quiet: bool = False, clock_start: float | None = None
+) -> Run:
     """Trains for ``config.train.steps`` optimizer steps; returns the finished Run.
 
-    ``write=False`` keeps files out (tests); ``quiet=True`` prints nothing (benchmarks)."""
+    ``write=False`` keeps files out (tests); ``quiet=True`` prints nothing (benchmarks);
+    ``clock_start``: the ``time.perf_counter()`` reading goodput's wall time starts at
+    (default: now; the command passes its process's start)."""
+    clock_start = time.perf_counter() if clock_start is None else clock_start
     cfg = config.train
     run = setup(config, write)
-    run_dir, is_main = run.run_dir, jaxdist.is_main_process()
-    resumed = run.begin.step if run.begin.step else None
-    open_metrics = partial(rundir.create, run_dir, config, resumed) if write and is_main else None
-    report = Reporter(open_metrics, cfg.steps, show=is_main and not quiet)
+    run_dir = run.run_dir
+    sinks = make_sinks(config, run, quiet, clock_start)
     per_device = cfg.global_batch_size // batch_shards(run.mesh)
-    report.print(
-        f"jaxdist: {cfg.strategy} on {run.mesh.size} {run.info.platform} device(s) in "
-        f"{run.info.process_count} process(es); global batch {cfg.global_batch_size} = "
-        f"{batch_shards(run.mesh)} x {per_device} (grad-accum {cfg.grad_accum}); effective lr "
-        f"{run.peak_lr:.3g} ({config.optim.lr_scaling} scaling)"
-        + (f"; {run.dp.pipeline.describe()}" if run.dp.pipeline else "")
-        + (f"; run dir {run_dir}" if run_dir else "")
+    sinks.emit(
+        Note(
+            f"jaxdist: {cfg.strategy} on {run.mesh.size} {run.info.platform} device(s) in "
+            f"{run.info.process_count} process(es); global batch {cfg.global_batch_size} = "
+            f"{batch_shards(run.mesh)} x {per_device} (grad-accum {cfg.grad_accum}); "
+            f"effective lr {run.peak_lr:.3g} ({config.optim.lr_scaling} scaling)"
+            + (f"; {run.dp.pipeline.describe()}" if run.dp.pipeline else "")
+            + (f"; run dir {run_dir}" if run_dir else "")
+        )
     )
     if run.begin.step:
-        report.print(f"resumed from the checkpoint of step {run.begin.step} in {run_dir}")
+        sinks.emit(Resumed(run.begin.step, earlier_last_step=run.begin.earlier_last_step))
+        sinks.emit(Note(f"resumed from the checkpoint of step {run.begin.step} in {run_dir}"))
+    sinks.emit(started(config, run))
     try:
-        stopped_at = loop(run, report)
+        stopped_at = loop(run, sinks)
     except Exception as err:
         run.batches.close()
-        report.close()
+        sinks.close()
         if run.info.process_count == 1 or isinstance(err, STEP_ERRORS):
             raise
         # A collective failed: a peer died. Exit now; JAX's shutdown barrier would otherwise
@@ -230,21 +240,14 @@ def train(config: Config, *, write: bool = True, quiet: bool = False) -> Run:
         os._exit(EXIT_PEER_FAILURE)
     run.batches.close()
     run.dp.wait_for_saves()  # the last checkpoint is on disk before we say done
-    report.close()
     if cfg.save_params and stopped_at is None:
         params = run.dp.host_params(run.state)  # every process: sharded arrays are gathered
-        if is_main:
+        if jaxdist.is_main_process():
             Path(cfg.save_params).parent.mkdir(parents=True, exist_ok=True)
             np.savez(cfg.save_params, **params)
-    if run.history:
-        first, last = run.history[0]["loss"], run.history[-1]["loss"]
-        report.print(
-            f"done: {run.history[-1]['step']} steps in {run.elapsed_s:.1f}s (first step, "
-            f"with compilation: {run.compile_s:.1f}s); loss {first:.4f} -> {last:.4f}; "
-            f"skipped_steps {run.skipped}; checkpoints {run.saves}"
-        )
-    else:
-        report.print(f"done: already trained to step {run.begin.step} of {cfg.steps}")
+    sinks.emit(Stopped(run.history[-1]["step"] if run.history else run.begin.step,
+                       early=stopped_at is not None))  # fmt: skip
+    sinks.close()
     if stopped_at is not None:
         raise Preempted(stopped_at, run.stop.requested_by, run_dir)
     return run
@@ -262,7 +265,7 @@ class Preempted(Exception):
 def main(argv: list[str] | None = None) -> int:
     try:
         config = config_lib.parse_args(argv)
-        train(config)
+        train(config, clock_start=process_clock_start())
     except jaxdist.JaxdistError as err:
         print(f"{rank_prefix()}jaxdist: error: {err}", file=sys.stderr, flush=True)
         return 2

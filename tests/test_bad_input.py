@@ -22,7 +22,7 @@ from jaxdist import data as data_lib
 from jaxdist.config_checks import RANGES
 from jaxdist.data import write_token_file
 from jaxdist.data.checks import sample_indices
-from jaxdist.report import Reporter
+from jaxdist.sinks import MetricsFile, StepMetrics
 from jaxdist.train import main
 
 GPT = ["--model", "gpt", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "1"]
@@ -287,10 +287,13 @@ def test_metrics_jsonl_is_strict_json_with_null_for_nan_and_inf(tmp_path):
     def strict(text):
         return json.loads(text, parse_constant=lambda name: pytest.fail(f"bare {name}"))
 
-    report = Reporter(lambda: tmp_path / "metrics.jsonl", total_steps=2, show=False)
-    report.log({"step": 1, "loss": math.nan, "lr": 0.1, "grad_norm": math.inf, "n": 3})
-    report.log({"step": 2, "loss": 1.5, "lr": 0.1, "grad_norm": -math.inf, "n": 4})
-    report.close()
+    metrics_file = MetricsFile(lambda: tmp_path / "metrics.jsonl")
+    for record in [
+        {"step": 1, "loss": math.nan, "lr": 0.1, "grad_norm": math.inf, "n": 3},
+        {"step": 2, "loss": 1.5, "lr": 0.1, "grad_norm": -math.inf, "n": 4},
+    ]:
+        metrics_file.handle(StepMetrics(record["step"], record))
+    metrics_file.close()
     records = [strict(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records == [
         {"step": 1, "loss": None, "lr": 0.1, "grad_norm": None, "n": 3},

@@ -1,0 +1,5 @@
+import sys
+
+from jaxdist.report import main
+
+sys.exit(main())

@@ -1,0 +1,247 @@
+"""What a run shows: TensorBoard files read back with TensorBoard's own reader, goodput
+that adds up to the wall time measured here, MFU against the GPT formula written out
+here, the profiler's trace, and the errors for a bad --profile range. In-process runs of
+a small MLP (about a second each), shared by the tests of this file and the report's."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from helpers import small_config
+from jaxdist import config as config_lib
+from jaxdist.train import main, train
+
+EVAL_RUN = dict(steps=7, log_every=2, eval_every=3, eval_batch_size=16, num_devices=8)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two finished runs: 7 steps with evaluation and a profiled window, 4 without eval.
+    Returns (dirs, wall-clock seconds each took, measured here around train())."""
+    root = tmp_path_factory.mktemp("runs")
+    dirs = {"eval": root / "with-eval", "plain": root / "no-eval"}
+    configs = {
+        "eval": small_config(**EVAL_RUN, run_dir=str(dirs["eval"]), profile="2:3"),
+        "plain": small_config(steps=4, num_devices=2, run_dir=str(dirs["plain"])),
+    }
+    walls = {}
+    for name, config in configs.items():
+        started = time.perf_counter()
+        train(config, clock_start=started)
+        walls[name] = time.perf_counter() - started
+    return dirs, walls
+
+
+def records(run_dir) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def scalars(log_dir) -> EventAccumulator:
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return events
+
+
+def test_tensorboard_holds_each_metric_at_the_logged_steps(runs):
+    dirs, _ = runs
+    events = scalars(dirs["eval"] / "tb")
+    logged = [r["step"] for r in records(dirs["eval"])]
+    assert logged == [1, 2, 3, 4, 6, 7]  # first, every 2nd, evaluations (3, 6) and last
+    tags = events.Tags()["scalars"]
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/skipped_steps"):
+        assert [e.step for e in events.Scalars(tag)] == logged, tag
+    for tag in ("perf/step_time_s", "perf/samples_per_s"):
+        assert [e.step for e in events.Scalars(tag)] == logged, tag
+    # data wait from the second logged step on: the first one's is part of compiling
+    assert [e.step for e in events.Scalars("perf/data_wait_frac")] == logged[1:]
+    for tag in ("eval/loss", "eval/accuracy"):
+        assert [e.step for e in events.Scalars(tag)] == [3, 6, 7], tag
+    losses = [r["loss"] for r in records(dirs["eval"])]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
+    assert "perf/mfu" not in tags and "perf/memory_gb" not in tags  # CPU: no peak, no stats
+    config = events.Tensors("config")[0].tensor_proto.string_val[0].decode()
+    assert '"eval_every": 3' in config and '"strategy": "gspmd"' in config
+
+
+def test_a_resumed_run_continues_its_tensorboard_run_without_duplicate_steps(tmp_path):
+    from jaxdist.sinks import Resumed, Sinks, StepMetrics, TensorBoard
+
+    first = Sinks([TensorBoard(tmp_path)])
+    for step in range(1, 11):  # the earlier attempt logged 1..10, its checkpoint was 6
+        first.emit(StepMetrics(step, {"loss": 1.0 * step}))
+    first.close()
+    second = Sinks([TensorBoard(tmp_path)])
+    second.emit(Resumed(from_step=6, earlier_last_step=10))
+    for step in range(7, 13):
+        second.emit(StepMetrics(step, {"loss": 100.0 + step}))
+    second.close()
+    points = [(e.step, e.value) for e in scalars(tmp_path).Scalars("train/loss")]
+    expected = [(s, 1.0 * s) for s in range(1, 7)] + [(s, 100.0 + s) for s in range(7, 13)]
+    assert points == expected
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
+
+
+def test_goodput_parts_add_up_to_the_wall_time_measured_around_the_run(runs):
+    dirs, walls = runs
+    for name in ("eval", "plain"):
+        goodput = json.loads((dirs[name] / "goodput.json").read_text())
+        wall = walls[name]
+        assert goodput["wall_s"] == pytest.approx(wall, rel=0.02), name
+        named = sum(
+            v for k, v in goodput.items() if k.endswith("_s") and k not in ("wall_s", "other_s")
+        )
+        assert abs(named - wall) < 0.02 * wall, json.dumps(goodput)
+        logged = records(dirs[name])
+        # Productive time: the steps after the first, from metrics.jsonl's own step times
+        # less their data waits.
+        steps = [r["step"] for r in logged]
+        busy = sum(
+            (b - a) * (r["step_time_s"] - r["data_wait_s"])
+            for a, b, r in zip(steps, steps[1:], logged[1:], strict=False)
+        )
+        assert goodput["productive_s"] == pytest.approx(busy, rel=1e-6)
+        assert goodput["compile_s"] == pytest.approx(logged[0]["step_time_s"], rel=1e-6)
+        assert goodput["goodput"] == pytest.approx(goodput["productive_s"] / goodput["wall_s"])
+        assert goodput["eval_s"] > 0 if name == "eval" else goodput["eval_s"] == 0
+        assert goodput["last_step"] == steps[-1] and len(goodput["attempts"]) == 1
+
+
+def test_a_resumed_run_counts_recomputed_steps_and_its_earlier_attempts(tmp_path):
+    """Synthetic events on a clock of our own: the earlier attempt reached step 10, the
+    checkpoint was step 6, so steps 7..10 are done again (7 while compiling)."""
+    from jaxdist.sinks import (
+        CheckpointSaved,
+        Compiled,
+        GoodputFile,
+        Resumed,
+        Sinks,
+        Started,
+        StepMetrics,
+        Stopped,
+        Terminal,
+    )
+    from jaxdist.sinks.goodput import earlier_last_step
+
+    earlier = {"wall_s": 20.0, "productive_s": 12.0, "startup_s": 8.0, "last_step": 10}
+    (tmp_path / "goodput.json").write_text(json.dumps({"attempts": [earlier], "last_step": 10}))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 10}\n{"step": 1')
+    assert earlier_last_step(tmp_path) == 10  # read before metrics.jsonl is trimmed
+    goodput = GoodputFile(tmp_path, clock_start=100.0)
+    terminal = Terminal(goodput)
+    sinks = Sinks([goodput, terminal])
+    sinks.emit(Resumed(6, earlier_last_step(tmp_path), time_s=101.0))
+    sinks.emit(Started(total_steps=12, first_step=7, time_s=102.0))
+    sinks.emit(Compiled(7, 3.0, time_s=105.0))
+    sinks.emit(StepMetrics(7, {"step": 7, "loss": 2.0}, 1, 3.0, 0.5, True, time_s=105.0))
+    # steps 8..11 in 4 s, 0.4 s of it waiting for data: 0.9 s busy per step
+    sinks.emit(StepMetrics(11, {"step": 11, "loss": 1.5}, 4, 4.0, 0.4, time_s=109.0))
+    sinks.emit(CheckpointSaved(11, 0.5, time_s=109.5))
+    sinks.emit(StepMetrics(12, {"step": 12, "loss": 1.0}, 1, 1.0, 0.0, time_s=110.5))
+    sinks.emit(CheckpointSaved(12, 0.25, time_s=110.75))
+    sinks.emit(Stopped(12, time_s=111.0))
+    sinks.close()
+    saved = json.loads((tmp_path / "goodput.json").read_text())
+    this = saved["attempts"][1]
+    assert this["wall_s"] == pytest.approx(11.0)
+    assert this["startup_s"] == pytest.approx(2.0) and this["compile_s"] == pytest.approx(3.0)
+    assert this["recomputed_s"] == pytest.approx(3 * 0.9)  # steps 8, 9 and 10
+    assert this["productive_s"] == pytest.approx(0.9 + 1.0)  # steps 11 and 12
+    assert this["data_wait_s"] == pytest.approx(0.4) and this["checkpoint_s"] == 0.75
+    assert this["other_s"] == pytest.approx(11.0 - 2 - 3 - 2.7 - 1.9 - 0.4 - 0.75)
+    assert saved["wall_s"] == pytest.approx(31.0)
+    assert saved["goodput"] == pytest.approx((12.0 + 1.9) / 31.0)
+    assert saved["checkpoints"] == 2 and saved["last_step"] == 12
+    figures = terminal.summary.figures()
+    assert figures["checkpoints"] == 2 and figures["goodput"] == pytest.approx(saved["goodput"])
+    assert figures["step_time_mean_s"] == pytest.approx(5.0 / 5)
+
+
+def test_mfu_uses_the_gpt_formula_and_xla_counts_every_device(tmp_path):
+    """The GPT's 6N + 12 L d T per token, N counted here from a model built here; XLA's
+    count, per device x devices, is the same FLOPs on 2 devices and on 8."""
+    import jax
+    from flax import nnx
+
+    from jaxdist.models.gpt import GPT
+
+    dims = dict(seq_len=8, d_model=16, n_layers=1, n_heads=2)
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(GPT(257, **dims, rngs=nnx.Rngs(0)))))
+    formula = (6 * n + 12 * 1 * 16 * 8) * 8 * 8  # per token x tokens per step
+    flops = {}
+    for devices in (2, 8):
+        config = _gpt_config(dims, devices)
+        run = train(config, write=False, quiet=True)
+        flops[devices] = run.flops
+        mfu_records = [r for r in run.history if "mfu" in r]
+        assert mfu_records and all(r["mfu"] > 0 for r in mfu_records)
+        for r in mfu_records:  # mfu x step time x peak of all devices = the formula's FLOPs
+            peak = 1e-3 * 1e12 * devices
+            assert r["mfu"] * r["step_time_s"] * peak == pytest.approx(formula, rel=1e-9)
+    assert flops[2].analytic == flops[8].analytic == formula
+    # Not divided by the devices (that would be 1/4): more only by the optimizer update
+    # every replica repeats on its copy of the parameters.
+    assert 1 <= flops[8].xla / flops[2].xla < 1.5
+    assert 0.5 < flops[8].xla / formula < 2  # the same order: nothing counted once per device
+
+
+def _gpt_config(dims: dict, devices: int):
+    return config_lib.from_dict(
+        {
+            "model": {"name": "gpt", **dims},
+            "data": {"path": "grammar"},
+            "train": dict(
+                steps=3, global_batch_size=8, log_every=1, num_devices=devices, peak_tflops=1e-3
+            ),
+        }
+    )
+
+
+def test_peak_table_by_device_kind_and_dtype():
+    from jaxdist.flops import peak_flops
+
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "float32") == 156e12  # JAX's default: TF32
+    assert peak_flops("NVIDIA B200", "bfloat16", peak_tflops=100) == 100e12
+    assert peak_flops("cpu", "float32") is None
+
+
+def test_profile_leaves_a_trace_of_the_window(runs):
+    dirs, _ = runs
+    traces = list((dirs["eval"] / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("window", "expected"),
+    [
+        ("5:3", "--profile 5:3: needs 1 <= START <= STOP, got 5:3"),
+        ("0:2", "--profile 0:2: needs 1 <= START <= STOP, got 0:2"),
+        ("3:99", "--profile 3:99: step 99 is beyond the last step, 7 (--steps)"),
+        ("3", "--profile '3': expected START:STOP"),
+    ],
+)
+def test_a_bad_profile_range_is_exit_2_before_training(tmp_path, capsys, window, expected):
+    args = ["--steps", "7", "--run-dir", str(tmp_path / "run"), "--profile", window]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"jaxdist: error: {expected}" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_tensorboard_flag_forms():
+    assert config_lib.parse_args([]).train.tensorboard is True
+    assert config_lib.parse_args(["--no-tensorboard"]).train.tensorboard is False
+    assert config_lib.parse_args(["--tensorboard", "false"]).train.tensorboard is False
+    assert config_lib.parse_args(["--no-tensorboard", "--tensorboard"]).train.tensorboard
+
+
+def test_no_tensorboard_writes_no_event_files(tmp_path):
+    train(small_config(steps=2, num_devices=2, run_dir=str(tmp_path), tensorboard=False))
+    assert (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "tb").exists()
+    assert not math.isnan(json.loads((tmp_path / "goodput.json").read_text())["goodput"])
