@@ -4,6 +4,8 @@
 #   sbatch slurm/1node.sh --model gpt --global-batch-size 128
 #
 # (On one node a single process driving all 8 GPUs works too: --ntasks-per-node=1.)
+# Stopped on SIGUSR1 or SIGTERM, the job saves, exits 75, requeues itself and resumes from
+# its run dir's checkpoints: the default run dir is named by SLURM_JOB_ID (see 8node.sh).
 #SBATCH --job-name=jaxdist-1node
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
@@ -13,6 +15,7 @@
 #SBATCH --output=%x-%j.out
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
+#SBATCH --open-mode=append
 set -uo pipefail
 
 # The same settings as slurm/8node.sh (see there for why each helps), repeated rather than
@@ -23,9 +26,19 @@ export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-1}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax-cache}"
 
-srun --kill-on-bad-exit=1 python -m jaxdist.train "$@"
+# Why --kill-on-bad-exit=0 and at most JAXDIST_MAX_REQUEUES requeues: see 8node.sh.
+srun --kill-on-bad-exit=0 python -m jaxdist.train "$@"
 rc=$?
 if [ "$rc" -eq 75 ]; then
-    scontrol requeue "$SLURM_JOB_ID"
+    max_requeues="${JAXDIST_MAX_REQUEUES:-20}"
+    requeues="${SLURM_RESTART_COUNT:-0}"
+    if [ "$requeues" -lt "$max_requeues" ]; then
+        echo "jaxdist: exit 75: requeueing job $SLURM_JOB_ID ($((requeues + 1)) of $max_requeues)"
+        scontrol requeue "$SLURM_JOB_ID"
+    else
+        echo "jaxdist: exit 75: not requeueing job $SLURM_JOB_ID: requeued $requeues times" \
+            "(JAXDIST_MAX_REQUEUES=$max_requeues); to continue, sbatch again with --run-dir" \
+            "set to the run dir named at the top of this log"
+    fi
 fi
 exit "$rc"

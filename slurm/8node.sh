@@ -7,6 +7,11 @@
 # process; JAX reads SLURM's environment (SLURM_PROCID, SLURM_NTASKS, SLURM_STEP_NODELIST)
 # and makes the first node the coordinator. On a CPU-only cluster the same script runs as
 #   JAXDIST_PLATFORM=cpu sbatch --gpus-per-node=0 --ntasks-per-node=1 slurm/8node.sh --cpu-devices 1 ...
+#
+# Preemption: SIGUSR1 (below) or SIGTERM makes every process stop after the same step,
+# save a checkpoint and exit 75; the job then requeues itself and resumes from that
+# checkpoint. It finds it because the default run dir, runs/<model>-<strategy>-slurm<id>,
+# is named by SLURM_JOB_ID, which a requeued job keeps (with --run-dir, pass the same dir).
 #SBATCH --job-name=jaxdist
 #SBATCH --nodes=8
 #SBATCH --ntasks-per-node=8          # one process per GPU: 8 nodes * 8 = 64 processes
@@ -16,6 +21,7 @@
 #SBATCH --output=%x-%j.out           # one log for the job; lines of ranks > 0 say [rank N]
 #SBATCH --signal=USR1@120            # 2 minutes' warning: jaxdist stops cleanly (exit 75)
 #SBATCH --requeue                    # a preempted or stopped job goes back in the queue
+#SBATCH --open-mode=append           # a requeued job adds to its log instead of replacing it
 set -uo pipefail
 
 # XLA: overlap the gradient all-reduce with the backward pass instead of waiting for it.
@@ -30,9 +36,24 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax-cache}"
 # JAXDIST_PLATFORM (cpu or gpu) is passed through to every task as it is.
 
-srun --kill-on-bad-exit=1 python -m jaxdist.train "$@"
+# --kill-on-bad-exit=0: a stopping group's processes exit 75 one after another, and with =1
+# the first exit kills the others (srun then returns 128 + the signal: no requeue). A process
+# that dies still ends the job: the others abort at JAX's heartbeat timeout (jaxdist's
+# --heartbeat-timeout, 100 s by default), or at once if their collective fails.
+srun --kill-on-bad-exit=0 python -m jaxdist.train "$@"
 rc=$?
-if [ "$rc" -eq 75 ]; then  # stopped on SIGUSR1: run again later
-    scontrol requeue "$SLURM_JOB_ID"
+if [ "$rc" -eq 75 ]; then  # stopped on SIGUSR1/SIGTERM, checkpoint saved: run again later
+    # Never requeue forever (a run that cannot finish, or is stopped at every start):
+    # SLURM counts this job's requeues in SLURM_RESTART_COUNT (unset on the first start).
+    max_requeues="${JAXDIST_MAX_REQUEUES:-20}"
+    requeues="${SLURM_RESTART_COUNT:-0}"
+    if [ "$requeues" -lt "$max_requeues" ]; then
+        echo "jaxdist: exit 75: requeueing job $SLURM_JOB_ID ($((requeues + 1)) of $max_requeues)"
+        scontrol requeue "$SLURM_JOB_ID"
+    else
+        echo "jaxdist: exit 75: not requeueing job $SLURM_JOB_ID: requeued $requeues times" \
+            "(JAXDIST_MAX_REQUEUES=$max_requeues); to continue, sbatch again with --run-dir" \
+            "set to the run dir named at the top of this log"
+    fi
 fi
 exit "$rc"

@@ -54,6 +54,9 @@ SlurmctldPort={ctld_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job may start again only cred_expire s after its requeue (120 by default;
+# 5 is the least allowed): 10 keeps the requeue test short and step launches safe.
+AuthInfo=cred_expire=10
 CredType=cred/munge
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
@@ -66,6 +69,8 @@ TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SchedulerType=sched/builtin
+# Pending jobs (a requeued one whose wait is over) are tried every second, not every 60.
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
