@@ -28,7 +28,7 @@ from jaxdist.models import model_factory, model_task
 from jaxdist.optim import effective_lr, make_optimizer, make_schedule
 from jaxdist.preempt import EXIT_PREEMPTED, StopFlag
 from jaxdist.process import EXIT_PEER_FAILURE, exit_now
-from jaxdist.reporting import make_sinks, started
+from jaxdist.run_sinks import make_sinks, started
 from jaxdist.sharding import BATCH_AXES, axis_size, parse_mesh
 from jaxdist.sinks import Note, Resumed, Stopped
 from jaxdist.sinks.goodput import process_clock_start
