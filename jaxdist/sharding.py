@@ -3,17 +3,23 @@ seam between host numpy and global device arrays."""
 
 from __future__ import annotations
 
+import collections
 import math
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import JaxdistError
 
 DATA = "data"  # the mesh axis that batches are split over (with fsdp)
-AXES = ("data", "stage", "fsdp", "model")  # outermost to innermost
+AXES = ("data", "stage", "fsdp", "model")  # the mesh's axis order
+# Outermost to innermost on the devices: model claims a process's devices first (it
+# all-reduces activations in every block), then stage (each tick of the schedule waits
+# for its send), then fsdp (its gathers can overlap compute); data spans processes.
+PLACEMENT = ("data", "fsdp", "stage", "model")
 BATCH_AXES = ("data", "fsdp")  # batch rows are split over both; replicated over the others
 BATCH_SPEC = P(BATCH_AXES)
 
@@ -37,27 +43,65 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def mesh_devices(sizes: dict[str, int], devices) -> np.ndarray:
-    """``devices`` (process-major) as an array of shape (data, stage, fsdp, model): the
-    innermost axes take consecutive devices, so a ``model`` group (then fsdp, stage) stays
-    inside one process when it fits. ``sizes`` may hold one -1; the product must be the
-    number of devices."""
+    """``devices`` as an array of shape (data, stage, fsdp, model), placed so that a
+    ``model`` group, then a ``stage`` group, then an ``fsdp`` group stays inside one
+    process whenever it fits in what the axes inside it leave, and ``data`` spans
+    processes. On several processes of equal size this is JAX's
+    ``create_hybrid_device_mesh`` with one process per granule; otherwise (one process, or
+    sizes that do not nest in processes) the devices are taken in ``PLACEMENT`` order by
+    hand. ``sizes`` may hold one -1; the product must be the number of devices."""
     devices = sorted(devices, key=lambda d: d.process_index)  # stable: keeps jax's order
+    shape = _resolve(sizes, len(devices), devices[0].platform)
+    split = split_over_processes(shape, devices)
+    if split is not None:
+        inside, across = split
+        return mesh_utils.create_hybrid_device_mesh(
+            inside, across, devices, process_is_granule=True
+        )
+    placed = np.array(devices, dtype=object).reshape([shape[AXES.index(a)] for a in PLACEMENT])
+    return placed.transpose([PLACEMENT.index(a) for a in AXES])
+
+
+def split_over_processes(shape, devices) -> tuple[list[int], list[int]] | None:
+    """Each axis's size as (inside a process) x (across processes), in ``AXES`` order:
+    innermost first, an axis takes all of itself if it fits in the devices a process has
+    left, else all that is left if that divides it. None with one process, processes of
+    unequal size, or sizes that do not nest so."""
+    counts = collections.Counter(d.process_index for d in devices)
+    if len(counts) == 1 or len(set(counts.values())) > 1:
+        return None
+    room, inside = next(iter(counts.values())), {}
+    for axis in reversed(PLACEMENT):
+        size = shape[AXES.index(axis)]
+        if room % size == 0:
+            inside[axis] = size
+        elif size % room == 0:
+            inside[axis] = room
+        else:
+            return None
+        room //= inside[axis]
+    inner = [inside[a] for a in AXES]
+    return inner, [s // i for s, i in zip(shape, inner, strict=True)]
+
+
+def _resolve(sizes: dict[str, int], count: int, platform: str) -> list[int]:
+    """The sizes in ``AXES`` order with the -1 filled in, checked against ``count``."""
     shape = [sizes.get(axis, 1) for axis in AXES]
     if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
         raise DeviceCountError(f"mesh {_show(sizes)}: sizes must be >= 1, at most one -1")
     known = math.prod(s for s in shape if s != -1)
     if -1 in shape:
-        if len(devices) % known:
+        if count % known:
             raise DeviceCountError(
-                f"mesh {_show(sizes)}: {len(devices)} devices do not split into groups of {known}"
+                f"mesh {_show(sizes)}: {count} devices do not split into groups of {known}"
             )
-        shape[shape.index(-1)] = len(devices) // known
-    if math.prod(shape) != len(devices):
+        shape[shape.index(-1)] = count // known
+    if math.prod(shape) != count:
         raise DeviceCountError(
-            f"mesh {_show(sizes)} has {math.prod(shape)} devices but {len(devices)} are used "
-            f"({devices[0].platform}); the product of the axis sizes must be the device count"
+            f"mesh {_show(sizes)} has {math.prod(shape)} devices but {count} are used "
+            f"({platform}); the product of the axis sizes must be the device count"
         )
-    return np.array(devices, dtype=object).reshape(shape)
+    return shape
 
 
 def make_mesh(

@@ -1,11 +1,13 @@
 """Pipeline stages, stacked layers and activation checkpointing on the built-in GPT.
 
 - The stacked GPT (``--scan-layers``: blocks held as (L, ...) parameters, run by one
-  scan) trained by jaxdist equals a plain single-device optax loop.
+  scan) trained by jaxdist equals a plain single-device optax loop, and so does the
+  unscanned GPT given the same initial values.
 - ``stage=2`` splits the stack over two stages (the "layers" axis of each kernel is split
   over ``stage``) and runs a GPipe schedule; it gives the losses and params of the
   data-parallel run, also with grad-accum and under shard_map.
-- ``remat`` changes memory (from the compiled program), not results.
+- ``remat`` changes memory (from the compiled program), not results (``full`` here,
+  ``block`` in test_layouts_cli.py).
 - ``stage`` on a model without a stack is an error naming the way out.
 """
 
@@ -25,7 +27,7 @@ from jaxdist.models.gpt import GPT
 from jaxdist.strategies.pipeline import bubble_fraction
 from test_layouts import SEQ, VOCAB, loss_fn
 
-G, STEPS, LAYERS = 32, 3, 4
+G, STEPS, LAYERS = 32, 5, 4
 
 
 def stacked(remat="none", d_model=64):
@@ -67,6 +69,35 @@ def test_stacked_gpt_equals_a_plain_loop(data_parallel):
     assert_same(data_parallel, (losses, params))
 
 
+def unscanned_copy(remat="none"):
+    """The unscanned GPT (a list of blocks) holding the stacked GPT's initial values:
+    the two draw them differently, so the values are copied, layer i of each stacked
+    array to block i."""
+    source = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(stacked()))}
+    model = GPT(VOCAB, SEQ, 64, LAYERS, 8, attention="xla", remat=remat, rngs=nnx.Rngs(1))
+    target = nnx.state(model, nnx.Param)
+    for path, var in nnx.to_flat_state(target):
+        if path[0] == "blocks":  # ("blocks", i, ...) <- ("blocks", "layers", ...)[i]
+            var.set_value(source[("blocks", "layers", *path[2:])][path[1]])
+        else:
+            var.set_value(source[path])
+    nnx.update(model, target)
+    return model
+
+
+def test_scanned_layers_compute_what_unscanned_blocks_do(data_parallel):
+    """``--scan-layers`` changes how the blocks are held and compiled, not the numbers: a
+    plain loop over the unscanned GPT from the same values trains as the stack does. Its
+    blocks are checkpointed with ``remat="full"`` (``call_block``: each recomputed in the
+    backward pass), which must change nothing either."""
+    losses, params = layouts.plain_loop(model=lambda: unscanned_copy("full"), data=batches)
+    names = {n.split("/", 2)[2] for n in params if n.startswith("blocks/")}  # "fc/kernel"
+    for name in names:  # back to the stacked names: layer i of blocks/layers/...
+        params[f"blocks/layers/{name}"] = np.stack([params.pop(f"blocks/{i}/{name}")
+                                                    for i in range(LAYERS)])  # fmt: skip
+    assert_same((losses, params), data_parallel)
+
+
 @pytest.mark.parametrize(
     "sizes, kw",
     [
@@ -98,17 +129,13 @@ def temp_bytes(remat):
     return dp.program({"tokens": tokens}).compile().memory_analysis().temp_size_in_bytes
 
 
-def test_remat_changes_memory_not_results(data_parallel):
+def test_remat_keeps_fewer_activations():
+    """The compiled step's temporaries shrink with remat. That it changes no number:
+    "full" in test_scanned_layers_compute_what_unscanned_blocks_do, "block" in
+    test_layouts_cli.py."""
     none, block, full = (temp_bytes(r) for r in ("none", "block", "full"))
     # Kept per block: every activation > its matmul outputs > only its input.
     assert none > 1.5 * block and block > full, (none, block, full)
-    mesh = jaxdist.make_mesh(data=8)
-    dp = jaxdist.DataParallel(lambda: stacked("full"), optax.sgd(0.5), loss_fn, mesh=mesh)
-    state, losses = dp.init_state(), []
-    for batch in batches():
-        state, metrics = dp.step(state, jaxdist.shard_batch(batch, mesh))
-        losses.append(dp.metrics(metrics)["loss"])
-    assert_same((losses, dp.host_params(state)), data_parallel)
 
 
 def test_stage_without_a_stack_is_an_error():
