@@ -62,7 +62,7 @@ def main(
         state, metrics = dp.step(state, batch)
         dp.check(metrics, step)  # a NaN loss or gradient raises, naming the parameter
         if step % 25 == 0 or step == steps - 1:
-            values = dp.metrics(metrics)  # Python floats: loss, accuracy, grad_norm, lr
+            values = dp.metrics(metrics)  # floats: loss, accuracy, grad_norm (lr: schedule=)
             sinks.log(step, values)  # (2/3)
             jaxdist.print_main(f"step {step:4d}  loss {values['loss']:.3f}")
     sinks.close()  # (3/3) flushes the files

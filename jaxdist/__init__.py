@@ -14,7 +14,10 @@ The public API (PyTorch names in brackets)::
     jaxdist.sum_over_replicas(tree)                   # [all_reduce], in a step
     jaxdist.barrier("name"); jaxdist.is_main_process(); jaxdist.print_main(...)
     sinks = jaxdist.sinks.Sinks([jaxdist.sinks.TensorBoard("runs/mine/tb")])  # what a run shows
+    jaxdist.flops.xla_step_flops(dp.program(batch), mesh.size)  # FLOPs per step, for MFU
 """
+
+import importlib
 
 from jaxdist import sinks
 from jaxdist.adapt import as_nnx
@@ -30,6 +33,17 @@ from jaxdist.step import TrainState
 
 __version__ = "0.1.0"
 
+# Public submodules that training does not need: imported on first use, so that
+# `import jaxdist` stays as fast as it was and `jaxdist.flops.peak_flops(...)` still works.
+LAZY_SUBMODULES = ("flops",)
+
+
+def __getattr__(name: str):
+    if name in LAZY_SUBMODULES:
+        return importlib.import_module(f"jaxdist.{name}")
+    raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")
+
+
 __all__ = [
     "BadBatchError",
     "DataParallel",
@@ -44,6 +58,7 @@ __all__ = [
     "TrainState",
     "as_nnx",
     "barrier",
+    "flops",
     "initialize",
     "is_main_process",
     "make_mesh",

@@ -1,12 +1,17 @@
 """What a run shows: TensorBoard files read back with TensorBoard's own reader, goodput
-that adds up to the wall time measured here, MFU against the GPT formula written out
-here, the profiler's trace, and the errors for a bad --profile range. In-process runs of
-a small MLP (about a second each), shared by the tests of this file and the report's."""
+that adds up to the wall time measured here, the final summary table against the run's
+files, the profiler's trace, and the errors for a bad --profile range. In-process runs of
+a small MLP (about a second each), made once and shared with test_report and
+test_observe_mfu (MFU); test_observe_resume resumes a run."""
 
 from __future__ import annotations
 
+import contextlib
+import gzip
+import io
 import json
 import math
+import re
 import time
 
 import pytest
@@ -17,24 +22,36 @@ from jaxdist import config as config_lib
 from jaxdist.train import main, train
 
 EVAL_RUN = dict(steps=7, log_every=2, eval_every=3, eval_batch_size=16, num_devices=8)
+PEAK_TFLOPS = 1e-3  # the plain run's --peak-tflops: a CPU has no peak of its own
+RUNS: dict = {}  # made once per session: test_report and test_observe_mfu share them
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory):
-    """Two finished runs: 7 steps with evaluation and a profiled window, 4 without eval.
-    Returns (dirs, wall-clock seconds each took, measured here around train())."""
-    root = tmp_path_factory.mktemp("runs")
+    """Two finished runs: 7 steps with evaluation and a profiled window, 4 without eval
+    and with a peak (so with MFU). Returns (dirs, wall-clock seconds each took, measured
+    here around train(), what each printed)."""
+    if not RUNS:  # the fixture, imported by other modules, is one fixture per module
+        RUNS["runs"] = _train_runs(tmp_path_factory.mktemp("runs"))
+    return RUNS["runs"]
+
+
+def _train_runs(root):
     dirs = {"eval": root / "with-eval", "plain": root / "no-eval"}
     configs = {
-        "eval": small_config(**EVAL_RUN, run_dir=str(dirs["eval"]), profile="2:3"),
-        "plain": small_config(steps=4, num_devices=2, run_dir=str(dirs["plain"])),
+        "eval": small_config(**EVAL_RUN, run_dir=str(dirs["eval"]), profile="4:5"),
+        "plain": small_config(
+            steps=4, num_devices=2, run_dir=str(dirs["plain"]), peak_tflops=PEAK_TFLOPS
+        ),
     }
-    walls = {}
+    walls, printed = {}, {}
     for name, config in configs.items():
-        started = time.perf_counter()
-        train(config, clock_start=started)
-        walls[name] = time.perf_counter() - started
-    return dirs, walls
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            started = time.perf_counter()
+            train(config, clock_start=started)
+            walls[name] = time.perf_counter() - started
+        printed[name] = out.getvalue()
+    return dirs, walls, printed
 
 
 def records(run_dir) -> list[dict]:
@@ -47,8 +64,63 @@ def scalars(log_dir) -> EventAccumulator:
     return events
 
 
+# The rows of the final summary table of any classifier's run (an LM's says tokens).
+SUMMARY = {
+    "steps",
+    "samples",
+    "wall time (loop)",
+    "first step (compile)",
+    "step time, mean",
+    "step time, p90",
+    "throughput",
+    "goodput",
+    "checkpoints written",
+    "final loss",
+}
+
+
+def summary_rows(printed: str) -> dict[str, str]:
+    """The final summary table, the lines after ``done:``: label -> text."""
+    table = printed.split("\ndone: ", 1)[1].splitlines()[1:]
+    return dict(re.fullmatch(r"  (\S.*?) {2,}(\S.*)", row).groups() for row in table)
+
+
+def expected_summary(run_dir, first_step: int = 1, batch: int = 16) -> dict[str, str]:
+    """The summary's figures as the run's files fix them, for the attempt that started at
+    ``first_step`` (wall time and p90 are left out: no file holds them)."""
+    logged = [r for r in records(run_dir) if r["step"] >= first_step]
+    goodput = json.loads((run_dir / "goodput.json").read_text())
+    steps, timed_s = 0, 0.0  # the steps after the first, which compiles
+    for before, r in zip(logged, logged[1:], strict=False):
+        steps += r["step"] - before["step"]
+        timed_s += r["step_time_s"] * (r["step"] - before["step"])
+    last = logged[-1]
+    rows = {
+        "steps": str(last["step"]),
+        "samples": f"{last['step'] * batch:,}",
+        "first step (compile)": f"{goodput['attempts'][-1]['compile_s']:.1f} s",
+        "step time, mean": f"{timed_s / steps * 1e3:.2f} ms",
+        "throughput": f"{steps / timed_s * batch:,.0f} samples/s",
+        "goodput": f"{goodput['goodput']:.1%}",
+        "checkpoints written": str(goodput["attempts"][-1]["checkpoints"]),
+        "final loss": f"{last['loss']:.4f}",
+    }
+    if "eval_loss" in last:
+        rows["final eval loss"] = f"{last['eval_loss']:.4f}"
+    return rows
+
+
+def test_the_final_summary_table_shows_each_runs_figures(runs):
+    dirs, _, printed = runs
+    for name, extra in (("eval", {"final eval loss"}), ("plain", {"MFU"})):
+        rows = summary_rows(printed[name])
+        assert set(rows) == SUMMARY | extra, name
+        assert expected_summary(dirs[name]).items() <= rows.items(), name
+        assert rows["checkpoints written"] == "1"  # the last step's
+
+
 def test_tensorboard_holds_each_metric_at_the_logged_steps(runs):
-    dirs, _ = runs
+    dirs = runs[0]
     events = scalars(dirs["eval"] / "tb")
     logged = [r["step"] for r in records(dirs["eval"])]
     assert logged == [1, 2, 3, 4, 6, 7]  # first, every 2nd, evaluations (3, 6) and last
@@ -87,7 +159,7 @@ def test_a_resumed_run_continues_its_tensorboard_run_without_duplicate_steps(tmp
 
 
 def test_goodput_parts_add_up_to_the_wall_time_measured_around_the_run(runs):
-    dirs, walls = runs
+    dirs, walls, _ = runs
     for name in ("eval", "plain"):
         goodput = json.loads((dirs[name] / "goodput.json").read_text())
         wall = walls[name]
@@ -161,60 +233,19 @@ def test_a_resumed_run_counts_recomputed_steps_and_its_earlier_attempts(tmp_path
     assert figures["step_time_mean_s"] == pytest.approx(5.0 / 5)
 
 
-def test_mfu_uses_the_gpt_formula_and_xla_counts_every_device(tmp_path):
-    """The GPT's 6N + 12 L d T per token, N counted here from a model built here; XLA's
-    count, per device x devices, is the same FLOPs on 2 devices and on 8."""
-    import jax
-    from flax import nnx
-
-    from jaxdist.models.gpt import GPT
-
-    dims = dict(seq_len=8, d_model=16, n_layers=1, n_heads=2)
-    n = sum(x.size for x in jax.tree.leaves(nnx.state(GPT(257, **dims, rngs=nnx.Rngs(0)))))
-    formula = (6 * n + 12 * 1 * 16 * 8) * 8 * 8  # per token x tokens per step
-    flops = {}
-    for devices in (2, 8):
-        config = _gpt_config(dims, devices)
-        run = train(config, write=False, quiet=True)
-        flops[devices] = run.flops
-        mfu_records = [r for r in run.history if "mfu" in r]
-        assert mfu_records and all(r["mfu"] > 0 for r in mfu_records)
-        for r in mfu_records:  # mfu x step time x peak of all devices = the formula's FLOPs
-            peak = 1e-3 * 1e12 * devices
-            assert r["mfu"] * r["step_time_s"] * peak == pytest.approx(formula, rel=1e-9)
-    assert flops[2].analytic == flops[8].analytic == formula
-    # Not divided by the devices (that would be 1/4): more only by the optimizer update
-    # every replica repeats on its copy of the parameters.
-    assert 1 <= flops[8].xla / flops[2].xla < 1.5
-    assert 0.5 < flops[8].xla / formula < 2  # the same order: nothing counted once per device
-
-
-def _gpt_config(dims: dict, devices: int):
-    return config_lib.from_dict(
-        {
-            "model": {"name": "gpt", **dims},
-            "data": {"path": "grammar"},
-            "train": dict(
-                steps=3, global_batch_size=8, log_every=1, num_devices=devices, peak_tflops=1e-3
-            ),
-        }
-    )
-
-
-def test_peak_table_by_device_kind_and_dtype():
-    from jaxdist.flops import peak_flops
-
-    assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
-    assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
-    assert peak_flops("NVIDIA A100-SXM4-80GB", "float32") == 156e12  # JAX's default: TF32
-    assert peak_flops("NVIDIA B200", "bfloat16", peak_tflops=100) == 100e12
-    assert peak_flops("cpu", "float32") is None
-
-
 def test_profile_leaves_a_trace_of_the_window(runs):
-    dirs, _ = runs
-    traces = list((dirs["eval"] / "profile" / "plugins" / "profile").glob("*/*.xplane.pb"))
+    """Steps 4 and 5 (no evaluation in between: it would be most of the trace): the
+    .xplane.pb for TensorBoard, and the .trace.json.gz (Chrome's JSON trace format, for
+    Perfetto) with those two steps' executions of the training step, no more."""
+    window = runs[0]["eval"] / "profile" / "plugins" / "profile"
+    traces = list(window.glob("*/*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
+    (trace,) = window.glob("*/*.trace.json.gz")
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    names = [e.get("name", "") for e in events]
+    # one execution per step, besides one per device ("[3] ...Execute (jit_train_step)")
+    steps = [x for x in names if x.endswith("Execute (jit_train_step)") and x[0] != "["]
+    assert len(steps) == 2, sorted(set(names))[:50]
 
 
 @pytest.mark.parametrize(

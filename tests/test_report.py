@@ -16,7 +16,7 @@ CHARTS = ("loss-step", "loss-seen", "throughput", "step-time", "goodput")
 
 
 def test_report_on_two_runs_of_different_lengths_one_without_eval(runs, tmp_path, capsys):  # noqa: F811
-    dirs, _ = runs
+    dirs = runs[0]
     out = tmp_path / "out" / "compare.html"
     assert main([str(dirs["eval"]), str(dirs["plain"]), "--out", str(out)]) == 0
     page = out.read_text()
@@ -34,7 +34,7 @@ def test_report_on_two_runs_of_different_lengths_one_without_eval(runs, tmp_path
 
 
 def test_report_on_a_run_still_being_written(runs, tmp_path):  # noqa: F811
-    dirs, _ = runs
+    dirs = runs[0]
     live = tmp_path / "live"
     shutil.copytree(dirs["plain"], live)
     (live / "goodput.json").unlink()  # not written yet
@@ -47,7 +47,7 @@ def test_report_on_a_run_still_being_written(runs, tmp_path):  # noqa: F811
 
 
 def test_a_directory_that_is_not_a_run_is_exit_2_and_writes_nothing(runs, tmp_path, capsys):  # noqa: F811
-    dirs, _ = runs
+    dirs = runs[0]
     (tmp_path / "empty").mkdir()
     out = tmp_path / "r.html"
     assert main([str(dirs["eval"]), str(tmp_path / "empty"), "--out", str(out)]) == 2
