@@ -83,6 +83,7 @@ class Checkpointer:
     written in the background, and the next ``save`` waits for the previous one."""
 
     def __init__(self, directory: Path | str, *, keep: int = 3):
+        self.skipped: list[tuple[int, str]] = []  # the last restore's damaged checkpoints
         import orbax.checkpoint as ocp
 
         self.directory = Path(directory).absolute()
@@ -137,12 +138,14 @@ class Checkpointer:
         reads the parts each device needs). None if there is no checkpoint. A damaged
         checkpoint is reported and skipped; a checkpoint of another model is an error."""
         steps = [step] if step is not None else self.steps()
+        self.skipped = []  # (step, what is wrong) of each damaged checkpoint passed over
         for candidate in steps:
             meta = self.read_meta(candidate)
             check_compatible(meta, target, candidate, self.directory)
             arrays, problem = self._read_verified(candidate, target, meta)
             if problem is None:
                 return candidate, arrays, meta
+            self.skipped.append((candidate, problem))
             if jax.process_index() == 0:
                 print(f"jaxdist: warning: {problem}; trying an older checkpoint", flush=True)
         if steps:

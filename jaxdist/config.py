@@ -139,6 +139,18 @@ class DistConfig:
     local_device_ids: str = ""  # "0,1": this process's GPUs (PyTorch: LOCAL_RANK)
     init_timeout: float = 300.0  # s to wait for every process to join
     heartbeat_timeout: float = 100.0  # s without a heartbeat before a peer counts as dead
+    # where process 0's coordination service listens; "": the coordinator address's host
+    # (JAX's default, every interface, under SLURM)
+    coordinator_bind_address: str = ""
+    # health (jaxdist.watchdog, agreement, replica_check, peers); off: JAX's own behaviour
+    health: bool = True
+    # s a training step or evaluation batch may take; 0: max(300 s, 20 x the median step)
+    step_timeout: float = 0.0
+    # s for set-up, the steps that compile and checkpoint saves
+    slow_phase_timeout: float = 1800.0
+    # compare the data-parallel replicas of every parameter every N steps and before each
+    # checkpoint; 0: never
+    check_replicas_every: int = 100
 
 
 @dataclass

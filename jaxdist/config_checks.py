@@ -91,6 +91,9 @@ RANGES: dict[str, Bound] = {
     "dist.process_id": at_least(-1),  # -1: from the environment
     "dist.init_timeout": Bound(0, MAX_TIMEOUT_S, low_open=True),
     "dist.heartbeat_timeout": Bound(1, MAX_TIMEOUT_S),  # whole seconds to JAX
+    "dist.step_timeout": Bound(0, MAX_TIMEOUT_S),  # 0: auto
+    "dist.slow_phase_timeout": Bound(0, MAX_TIMEOUT_S, low_open=True),
+    "dist.check_replicas_every": at_least(0),  # 0: never
 }
 
 

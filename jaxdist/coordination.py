@@ -80,3 +80,30 @@ def live_processes(process_count: int) -> set[int] | None:
     if client is None:
         return None
     return set(client.get_live_nodes(list(range(process_count))))
+
+
+def wait_get(key: str, timeout_s: float) -> str:
+    """The value of ``key``, waiting up to ``timeout_s`` for some process to set it;
+    raises TimeoutError after that."""
+    client = _client()
+    try:
+        return client.blocking_key_value_get(key, int(timeout_s * 1000))
+    except Exception as err:  # jax raises JaxRuntimeError DEADLINE_EXCEEDED
+        if "DEADLINE_EXCEEDED" in str(err):
+            raise TimeoutError(f"no process set {key} within {timeout_s:g}s") from None
+        raise
+
+
+def barrier(name: str, timeout_s: float) -> None:
+    """Every process waits here until all have arrived (the store's barrier: no device
+    collective, so it works before and beside the training step)."""
+    client = _client()
+    if client is not None:
+        client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
+def coordinator_address() -> str:
+    """HOST:PORT of process 0's coordination service ("" without a group)."""
+    from jax._src import distributed
+
+    return distributed.global_state.coordinator_address or ""

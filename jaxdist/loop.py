@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
+import numpy as np
 
 import jaxdist
 from jaxdist import data as data_lib
@@ -17,6 +18,7 @@ from jaxdist import resume, rundir
 from jaxdist.config import Config
 from jaxdist.losses import eval_metrics
 from jaxdist.preempt import StopFlag
+from jaxdist.run_health import RunHealth
 from jaxdist.sinks import Sinks
 from jaxdist.sinks.events import (
     CheckpointSaved,
@@ -25,6 +27,7 @@ from jaxdist.sinks.events import (
     StepFlops,
     StepMetrics,
     StepStarting,
+    Stopped,
 )
 
 
@@ -44,12 +47,15 @@ class Run:
     stop: StopFlag  # SIGUSR1/SIGTERM: every process stops after the same step
     run_dir: Path | None  # None: no files, no checkpoints
     begin: resume.Start  # the step the loop starts after (0, or a restored checkpoint's)
+    health: RunHealth  # the watchdog's phases, replica checks, injected faults
     history: list[dict] = field(default_factory=list)
     skipped: int = 0  # steps whose update --nan-policy skip left out
     compile_s: float = 0.0  # the first step, with compilation
     elapsed_s: float = 0.0  # the whole loop
     flops: StepFlops | None = None  # FLOPs per step and peak, known after the first step
     saves: int = 0  # checkpoints started
+    replica_checks: int = 0
+    evaluations: int = 0
 
 
 def loop(run: Run, sinks: Sinks) -> int | None:
@@ -60,9 +66,13 @@ def loop(run: Run, sinks: Sinks) -> int | None:
     steps_since, waited_s = 0, 0.0  # since the last log line
     t_start = t_last = time.perf_counter()
     first = run.begin.step + 1
+    watch = run.health.watch  # a phase's deadline runs from its start (the first: compiles)
     for step in range(first, cfg.steps + 1):
         sinks.emit(StepStarting(step))
+        watch.phase("data", step, slow=step == first)
         batch, wait_s = next(run.batches)  # built and on the devices already, normally
+        state = run.health.faults.before_step(step, state)
+        watch.phase("step", step, slow=step == first)
         state, metrics = run.dp.step(state, batch)
         stop_after = run.stop.stop_after(step)  # the same step on every process
         stopping = stop_after is not None and step >= stop_after
@@ -91,11 +101,15 @@ def loop(run: Run, sinks: Sinks) -> int | None:
             timing = (steps_since, timed_s, waited_s, step == first)  # first: compiling
             sinks.emit(StepMetrics(step, values, *timing))
             t_last, steps_since, waited_s = time.perf_counter(), 0, 0.0
-        if last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+        saving = last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+        checked_s = 0.0  # replica checks: step time, or the checkpoint's when before a save
+        if saving or (run.health.every and step % run.health.every == 0):
             if pending is not None:  # a checkpoint holds checked steps only
                 check(run, *pending)
                 pending = None
-            t_last += save(run, state, step, sinks, wait=last)  # not step time; the last: on disk
+            checked_s = check_replicas(run, state, step, saving=saving)
+        if saving:  # not step time; the last: on disk
+            t_last += save(run, state, step, sinks, wait=last, checked_s=checked_s)
         if stopping:
             run.state, run.elapsed_s = state, time.perf_counter() - t_start
             return step
@@ -104,14 +118,16 @@ def loop(run: Run, sinks: Sinks) -> int | None:
     return None
 
 
-def save(run: Run, state, step: int, sinks: Sinks, *, wait: bool) -> float:
+def save(run: Run, state, step: int, sinks: Sinks, *, wait: bool, checked_s: float) -> float:
     """Starts a checkpoint of ``state`` (every process; the loop waits only while the
     arrays are copied off the devices), or with ``wait`` finishes it before returning;
-    returns the seconds the loop was blocked."""
+    returns the seconds the loop was blocked, the replica check just before it
+    (``checked_s``) included."""
     if run.run_dir is None:
         return 0.0
-    started = time.perf_counter()
+    started = time.perf_counter() - checked_s
     extra = resume.extra(run.config, step, len(run.data.train))
+    run.health.watch.phase("save", step)
     with run.stop.busy():
         checkpoints = run.run_dir / rundir.CHECKPOINTS
         run.dp.save(state, checkpoints, extra=extra, keep=run.config.train.keep)
@@ -125,9 +141,21 @@ def save(run: Run, state, step: int, sinks: Sinks, *, wait: bool) -> float:
 
 def check(run: Run, step: int, metrics) -> None:
     """Raises for a step with bad rows or (``--nan-policy halt``) a non-finite update;
-    counts the steps ``--nan-policy skip`` left out."""
+    counts the steps ``--nan-policy skip`` left out. Waits for the step: its end is
+    progress for the watchdog."""
     if run.dp.check(metrics, step):
         run.skipped += 1
+    run.health.watch.completed(step)
+
+
+def check_replicas(run: Run, state, step: int, *, saving: bool) -> float:
+    """The replica fingerprints (``--check-replicas-every``, and before a checkpoint);
+    returns the seconds it took (not step time). The first compiles: a slow phase."""
+    started = time.perf_counter()
+    run.health.watch.phase("check", step, slow=not run.replica_checks)
+    run.health.check_replicas(run.dp, state, step, saving=saving)
+    run.replica_checks += 1
+    return time.perf_counter() - started
 
 
 def log_values(run: Run, metrics, step, steps_since, waited_s, t_last, compiling) -> dict:
@@ -175,7 +203,26 @@ def evaluate(run: Run, state) -> dict[str, float]:
     )
     totals: dict[str, float] = {}
     for host_batch in data_lib.eval_batches(run.data.eval, sampler):
+        # Each batch is progress; the first of the run compiles the evaluation step.
+        run.health.watch.phase("eval", run.evaluations, slow=not run.evaluations)
         sums = run.dp.evaluate(state, jaxdist.shard_batch(host_batch, run.mesh))
+        run.evaluations += 1
         for name, value in sums.items():  # summed in float64 on the host
             totals[name] = totals.get(name, 0.0) + value
     return eval_metrics(totals, run.data.byte_level)
+
+
+def finish(run: Run, sinks, stopped_at: int | None) -> None:
+    """After the loop: the last checkpoint on disk, the params saved, the summary."""
+    cfg = run.config.train
+    run.batches.close()
+    run.health.watch.phase("save", run.begin.step)
+    run.dp.wait_for_saves()  # the last checkpoint is on disk before we say done
+    if cfg.save_params and stopped_at is None:
+        params = run.dp.host_params(run.state)  # every process: sharded arrays are gathered
+        if jaxdist.is_main_process():
+            Path(cfg.save_params).parent.mkdir(parents=True, exist_ok=True)
+            np.savez(cfg.save_params, **params)
+    sinks.emit(Stopped(run.history[-1]["step"] if run.history else run.begin.step,
+                       early=stopped_at is not None))  # fmt: skip
+    sinks.close()

@@ -109,6 +109,8 @@ class Parallel:
         self._loss_fn, self._eval_fn, self._tx = loss_fn, eval_fn or _no_eval_fn, optimizer
         self._options = StepOptions(grad_accum, seed, schedule, nan_policy, batch_check)
         self._wired: tuple | None = None  # on first use: needs the batch shapes
+        self._on_new_shapes: Callable | None = None  # see on_new_batch_shapes
+        self._batch_shapes: set = set()
         self._saved = SavedState(self.layout, self._source.one_copy_state, self.state_sharding)
 
     @property
@@ -123,7 +125,19 @@ class Parallel:
 
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One optimizer step on a global batch from ``shard_batch``. Donates ``state``."""
-        return self.program(batch)(state, batch)
+        program = self.program(batch)
+        if self._on_new_shapes is not None and _shapes(batch) not in self._batch_shapes:
+            self._batch_shapes.add(_shapes(batch))
+            self._on_new_shapes(program, batch)
+        return program(state, batch)
+
+    def on_new_batch_shapes(self, callback: Callable, *, known=None) -> None:
+        """``callback(program, batch)`` runs before a step on batch shapes not seen
+        before (the step compiles anew for them); ``known``: a batch whose shapes need no
+        call. The trainer makes every process agree on the program there."""
+        self._on_new_shapes = callback
+        if known is not None:
+            self._batch_shapes.add(_shapes(known))
 
     def check(self, metrics, step: int) -> bool:
         """Reads the step's health (a few scalars): raises ``NonFiniteError`` (NaN or inf
@@ -153,6 +167,12 @@ class Parallel:
         _, arrays, meta = found
         extra = {k: v for k, v in meta.items() if k not in ("step", "tree", "fingerprints")}
         return self._saved.state(arrays), extra
+
+    @property
+    def damaged_checkpoints(self) -> list[tuple[int, str]]:
+        """``(step, what is wrong)`` of each damaged checkpoint the last ``restore``
+        passed over for an older one."""
+        return list(self._saved.skipped)
 
     def wait_for_saves(self) -> None:
         """Blocks until every checkpoint started by ``save`` is complete on disk."""
@@ -281,6 +301,10 @@ class Parallel:
 
 
 DataParallel = Parallel  # PyTorch's DDP-shaped name; one class, one code path
+
+
+def _shapes(batch) -> tuple:
+    return tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch))
 
 
 def _no_eval_fn(model, batch):

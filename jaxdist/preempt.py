@@ -24,9 +24,9 @@ import sys
 import threading
 import time
 
-from jaxdist import coordination, process
+from jaxdist import coordination, failures, process
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again later (slurm/*.sh requeue on it)
+EXIT_PREEMPTED = failures.PREEMPTED  # 75, EX_TEMPFAIL: slurm/*.sh requeue on it
 STOP_KEY = "jaxdist/stop_after_step"
 MARGIN_STEPS = 2
 
@@ -115,3 +115,15 @@ def _process_index() -> int:
     import jax
 
     return jax.process_index()
+
+
+class Preempted(Exception):
+    """The loop stopped on a stop signal after ``step``, its checkpoint saved (exit 75)."""
+
+    def __init__(self, step: int, requested_by: str, checkpoints):
+        self.step = step
+        saved = f"; checkpoint saved in {checkpoints}" if checkpoints else ""
+        super().__init__(
+            f"stopped after step {step} on {requested_by}{saved}; "
+            f"exit {EXIT_PREEMPTED} (run the same command again to resume)"
+        )

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 
 import jax
 
-from jaxdist import cluster
+from jaxdist import cluster, coordination, failures, peers
 from jaxdist.cluster import ClusterSpec
+from jaxdist.coordinator import claim_process_zero, service_address
 from jaxdist.errors import JaxdistError
 
-EXIT_PEER_FAILURE = 1  # the group did not form, or a peer died: not the user's input
-EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a shell reports a death by SIGTERM
+EXIT_PEER_FAILURE = failures.PEER_DIED  # the group did not form, or a peer died
+EXIT_TERMINATED = failures.TERMINATED  # 143, as a shell reports a death by SIGTERM
 
 
 @dataclass(frozen=True)
@@ -63,24 +64,35 @@ def select_platform(name: str | None) -> None:
         jax.config.update("jax_platforms", {"gpu": "cuda"}.get(name, name))
 
 
-def _join(spec: ClusterSpec, init_timeout: float, heartbeat_timeout: float) -> None:
+def _join(
+    spec: ClusterSpec, init_timeout: float, heartbeat_timeout: float, bind: str, health: bool
+) -> None:
     """jax.distributed.initialize, bounded: if the group has not formed within
     ``init_timeout`` s we exit with a clear message. (JAX's own timeout aborts the process
     with SIGABRT and a C++ stack trace, so ours fires first; it runs while JAX waits,
-    because JAX releases the GIL.)"""
+    because JAX releases the GIL.) With ``health``, a second process claiming the same
+    process id is named within seconds (``jaxdist.coordinator``, ``jaxdist.peers``)."""
     waited_for = (
         f"the coordinator {spec.coordinator}" if spec.coordinator else "the SLURM coordinator"
     )
+    bind_address = service_address(spec, bind)
+    if health:
+        peers.install_abort_handler(spec.process_id, spec.num_processes)
+        if spec.process_id == 0 and bind_address:
+            claim_process_zero(spec, bind_address)
 
     def give_up():
+        listens = f"; it listens on {bind_address}" if bind_address else ""
         print(
             f"[rank {spec.process_id}] jaxdist: error: the process group did not form within "
             f"--init-timeout {init_timeout:g}s: process {spec.process_id} of "
-            f"{spec.num_processes} waited for {waited_for} ({spec.source})",
+            f"{spec.num_processes} waited for {waited_for} ({spec.source}{listens}). A "
+            "process that never started, or one given the same process id as another, "
+            "keeps the group from forming",
             file=sys.stderr,
             flush=True,
         )
-        os._exit(EXIT_PEER_FAILURE)
+        peers.exit_now(EXIT_PEER_FAILURE)
 
     watchdog = threading.Timer(init_timeout, give_up)
     watchdog.daemon = True
@@ -89,12 +101,14 @@ def _join(spec: ClusterSpec, init_timeout: float, heartbeat_timeout: float) -> N
         local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
         initialization_timeout=int(init_timeout) + 30,
         heartbeat_timeout_seconds=int(heartbeat_timeout),
+        coordinator_bind_address=bind_address or None,
     )
     if spec.source == "slurm":
         jax.distributed.initialize(**kwargs)  # JAX reads SLURM's environment itself
     else:
         jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id, **kwargs)
     watchdog.cancel()
+    peers.joined(coordination.coordinator_address())
     _exit_fast_on_uncaught_error(spec.process_id)
     _exit_on_sigterm()
 
@@ -165,6 +179,7 @@ def _ignore_in_main_thread(signum, frame) -> None:
 def _terminate(signum=None, frame=None) -> None:
     # Flushed from another thread, with a time limit: the interrupted main thread may hold
     # a stream's lock (or be blocked writing to a full pipe).
+    peers.expect_exit(EXIT_TERMINATED)
     flusher = threading.Thread(target=_flush, daemon=True)
     flusher.start()
     flusher.join(timeout=1)
@@ -189,7 +204,7 @@ def _exit_fast_on_uncaught_error(process_id: int) -> None:
         print(f"[rank {process_id}] {text}", file=sys.stderr, flush=True)
         if kind is KeyboardInterrupt:
             previous(kind, value, tb)
-        os._exit(EXIT_PEER_FAILURE)
+        peers.exit_now(failures.FAILED)
 
     sys.excepthook = hook
 
@@ -200,7 +215,8 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if code and jax.distributed.is_initialized() and jax.process_count() > 1:
-        os._exit(code)
+        peers.exit_now(code)
+    peers.expect_exit(code)  # JAX's client aborting during a normal shutdown keeps it
     sys.exit(code)
 
 
@@ -213,6 +229,8 @@ def initialize(
     local_device_ids: str = "",
     init_timeout: float = 300,
     heartbeat_timeout: float = 100,
+    coordinator_bind_address: str = "",
+    health: bool = True,
 ) -> ProcessInfo:
     """Sets up the process group and returns who we are. Call once, before other JAX use.
 
@@ -225,6 +243,12 @@ def initialize(
     SIGTERM then ends the process at once with exit code 143, as it would without JAX,
     unless a ``jaxdist.preempt.StopFlag`` takes it as a request to stop cleanly.
 
+    Process 0's coordination service listens on ``coordinator_bind_address``, else on
+    the address of the coordinator host given (not on every interface, JAX's default:
+    the service has no authentication); under SLURM on JAX's default unless given.
+    ``health``: a process aborted by JAX's coordination client says why, naming the
+    process that died or the duplicate process id (``jaxdist.peers``).
+
     Example::
 
         info = jaxdist.initialize()
@@ -235,7 +259,7 @@ def initialize(
     spec = cluster.resolve(os.environ, coordinator, num_processes, process_id, local_device_ids)
     if spec.multi_process and not jax.distributed.is_initialized():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        _join(spec, init_timeout, heartbeat_timeout)
+        _join(spec, init_timeout, heartbeat_timeout, coordinator_bind_address, health)
     return ProcessInfo(
         process_index=jax.process_index(),
         process_count=jax.process_count(),

@@ -21,48 +21,22 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+from jaxdist import failures, orphans
 from jaxdist.preempt import EXIT_PREEMPTED
 from jaxdist.process import EXIT_TERMINATED
 
 KILL_WAIT_S = 5.0  # after SIGKILL: time for the kernel to tear the processes down
-
-# Run by a separate interpreter: it holds the read end of a pipe from us and outlives us.
-GUARD = """
-import os, signal, sys
-groups = set()
-for line in sys.stdin:
-    word, _, pgid = line.partition(" ")
-    if word == "done":
-        sys.exit()
-    groups.add(int(pgid))
-for pgid in groups:  # the pipe closed without "done": our owner died
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except OSError:
-        pass
-"""
-
-
-# Runs in each rank's process, then becomes the command: PR_SET_PDEATHSIG (1) = SIGKILL.
-DIE_WITH_PARENT = """
-import ctypes, os, signal, sys
-ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))
-if os.getppid() != int(sys.argv[1]):  # our starter died before prctl: no signal would come
-    os._exit(1)
-try:
-    os.execvp(sys.argv[2], sys.argv[2:])
-except OSError as err:
-    print(f"jaxdist: cannot run {sys.argv[2]!r}: {err}", file=sys.stderr, flush=True)
-    os._exit(127)  # as a shell reports a command that cannot run
-"""
 
 
 def free_port() -> int:
@@ -72,7 +46,13 @@ def free_port() -> int:
 
 
 def rank_env(
-    rank: int, nproc: int, port: int, *, cpu_devices_per_proc: int = 0, gpus_per_proc: int = 0
+    rank: int,
+    nproc: int,
+    port: int,
+    *,
+    cpu_devices_per_proc: int = 0,
+    gpus_per_proc: int = 0,
+    failure_dir: str = "",
 ) -> dict[str, str]:
     """The environment ``jaxdist.initialize()`` reads to join the group (``jaxdist.cluster``)."""
     env = dict(os.environ)
@@ -83,6 +63,8 @@ def rank_env(
         JAXDIST_PROCESS_ID=str(rank),
         PYTHONUNBUFFERED="1",  # lines arrive as they are printed, not at exit
     )
+    if failure_dir:  # where a failing rank says who is to blame (jaxdist.failures)
+        env[failures.LAUNCHER_DIR] = failure_dir
     if cpu_devices_per_proc:
         env.update(JAXDIST_PLATFORM="cpu", JAX_NUM_CPU_DEVICES=str(cpu_devices_per_proc))
     if gpus_per_proc:
@@ -163,16 +145,6 @@ def _forward(rank: int, pipe, out: Output) -> None:
         out.write(b"\n")
 
 
-def _dying_with_us(command: list[str]) -> list[str]:
-    """``command`` run through a small interpreter that asks Linux for SIGKILL when the
-    thread starting it dies, then execs the command (the request survives exec). Not a
-    ``preexec_fn``: that forces a real fork() of our multithreaded (JAX) process, which
-    can deadlock the child before it execs. Elsewhere the guard alone covers it."""
-    if not sys.platform.startswith("linux"):
-        return command
-    return [sys.executable, "-I", "-S", "-c", DIE_WITH_PARENT, str(os.getpid()), *command]
-
-
 class Group:
     """``nproc`` processes of ``command``, rank r with ``rank_env(r, ...)``."""
 
@@ -183,13 +155,15 @@ class Group:
         self.threads: list[threading.Thread] = []
         self.empty: set[int] = set()  # process groups known to be empty: never signalled
         self.guard = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", GUARD],
+            [sys.executable, "-I", "-S", "-c", orphans.GUARD],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C or hang-up of our terminal does not reach it
         )
         port = free_port()
+        self.failure_dir = tempfile.mkdtemp(prefix="jaxdist-failures-")
+        env_options["failure_dir"] = self.failure_dir
         try:
             for rank in range(nproc):
                 self._start(rank, command, rank_env(rank, nproc, port, **env_options))
@@ -199,7 +173,7 @@ class Group:
 
     def _start(self, rank: int, command: list[str], env: dict[str, str]) -> None:
         proc = subprocess.Popen(
-            _dying_with_us(command),
+            orphans.dying_with_us(command),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -263,6 +237,10 @@ class Group:
         second as "exit now" (``jaxdist.preempt``); 0.2 s apart, so that they do not merge
         into one pending signal."""
         self._signal(signal.SIGTERM)
+        for proc in self.procs:  # a stopped (frozen) rank would take SIGTERM only once resumed
+            if proc.poll() is None and _stopped(proc.pid):
+                with contextlib.suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
         if at_once and not self.wait_exited(0.2):
             self._signal(signal.SIGTERM)
         self.wait_exited(grace)
@@ -271,16 +249,33 @@ class Group:
         for thread in self.threads:
             thread.join(timeout=1)  # the last lines of output
         self._tell_guard("done")
+        shutil.rmtree(self.failure_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.guard.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.guard.wait(timeout=KILL_WAIT_S)
+
+    def culprit(self, first: Exit) -> str:
+        """Who is to blame, when it is not ``first``: a rank that is stopped (SIGSTOP: it
+        cannot exit by itself), or the one its peers named (``failures.tell_launcher``)."""
+        stopped = [r for r, p in enumerate(self.procs) if p.poll() is None and _stopped(p.pid)]
+        told = failures.from_launcher_dir(Path(self.failure_dir))
+        return failures.culprit_line(first.rank, told, stopped)
 
     def _signal(self, sig: int) -> None:
         for proc in self.procs:
             if proc.pid not in self.empty:
                 with contextlib.suppress(OSError):  # the group is empty: nothing to end
                     os.killpg(proc.pid, sig)
+
+
+def _stopped(pid: int) -> bool:
+    """Linux: the process is stopped (state T), e.g. by SIGSTOP."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1][:1] in ("T", "t")
+    except OSError:
+        return False
 
 
 def run(
@@ -304,6 +299,9 @@ def run(
             group.wait_exited(grace)
         elif first is not None:
             out.say(f"{first}: ending the other processes")
+            culprit = group.culprit(first)
+            if culprit:
+                out.say(culprit)
         return first
     except KeyboardInterrupt:
         out.say("interrupted: ending all processes")

@@ -1,5 +1,5 @@
-"""Which sinks the trainer's run reports to (``jaxdist.sinks``), and the event that
-starts its loop."""
+"""Which sinks the trainer's run reports to (``jaxdist.sinks``), and what opens its
+loop: the lines saying what runs where, and the ``Started`` event."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from jaxdist import config as config_lib
 from jaxdist import config_checks, rundir
 from jaxdist.config import Config
 from jaxdist.loop import Run
-from jaxdist.sinks import Sinks, Started
+from jaxdist.sharding import BATCH_AXES, axis_size
+from jaxdist.sinks import Note, Resumed, Sinks, Started
 
 
 def make_sinks(config: Config, run: Run, quiet: bool, clock_start: float) -> Sinks:
@@ -51,3 +52,25 @@ def started(config: Config, run: Run) -> Started:
         samples_per_step=cfg.global_batch_size,
         tokens_per_step=cfg.global_batch_size * config.model.seq_len if task == "lm" else 0,
     )
+
+
+def announce(run: Run, sinks) -> None:
+    """The lines that open a run: layout and batch, health's deadlines, a resume."""
+    cfg, run_dir = run.config.train, run.run_dir
+    shards = axis_size(run.mesh, BATCH_AXES)
+    sinks.emit(
+        Note(
+            f"jaxdist: {cfg.strategy} on {run.mesh.size} {run.info.platform} device(s) in "
+            f"{run.info.process_count} process(es); global batch {cfg.global_batch_size} = "
+            f"{shards} x {cfg.global_batch_size // shards} (grad-accum {cfg.grad_accum}); "
+            f"effective lr {run.peak_lr:.3g} ({run.config.optim.lr_scaling} scaling)"
+            + (f"; {run.dp.pipeline.describe()}" if run.dp.pipeline else "")
+            + (f"; run dir {run_dir}" if run_dir else "")
+        )
+    )
+    sinks.emit(Note(f"jaxdist: {run.health.describe()}"))
+    if run.begin.step or run.begin.earlier_last_step:  # resumed, or restarted from step 0
+        sinks.emit(Resumed(run.begin.step, earlier_last_step=run.begin.earlier_last_step))
+    if run.begin.step:
+        sinks.emit(Note(f"resumed from the checkpoint of step {run.begin.step} in {run_dir}"))
+    sinks.emit(started(run.config, run))

@@ -4,7 +4,9 @@ Named once for the whole group (and for every restart of it), checked at setup, 
 only once the first step has trained, so that bad input, which fails before that (exit
 2), leaves nothing behind. An earlier run in it is never silently replaced: it is
 resumed from its newest checkpoint (``--resume auto``), or refused unless
-``--overwrite``. Process 0 writes; every process reads the same shared directory.
+``--overwrite``. An earlier attempt of this same run (its id in ``run_id``) that saved
+no checkpoint is not another run: it is trained again from step 0. Process 0 writes;
+every process reads the same shared directory.
 """
 
 from __future__ import annotations
@@ -26,20 +28,28 @@ from jaxdist.errors import ConfigError, JaxdistError
 CHECKPOINTS = "checkpoints"
 # What an earlier run leaves (--overwrite removes them all)
 RUN_FILES = ("metrics.jsonl", "config.yaml", CHECKPOINTS, "goodput.json", "tb", "profile")
+# The id of the run that last wrote the directory (absent: a run without one). Not in
+# RUN_FILES: it is always written with metrics.jsonl, and refusals name what users wrote.
+RUN_ID = "run_id"
+
+
+def run_id() -> str | None:
+    """This run's id, the same on every process and after a restart: the SLURM job's
+    (kept by a requeue), else ``jaxdist.launch``'s (kept by ``--max-restarts``). None for
+    a command started otherwise: its restart cannot be told from a new run."""
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm{os.environ['SLURM_JOB_ID']}"
+    return os.environ.get("JAXDIST_RUN_ID") or None
 
 
 def run_dir_path(config: Config) -> Path:
-    """``--run-dir``, else ``runs/<model>-<strategy>-<id>``: the id is the SLURM job's
-    (the same after a requeue), the launcher's (the same after a restart), or process
-    0's clock, agreed by every process."""
+    """``--run-dir``, else ``runs/<model>-<strategy>-<id>``: the id is ``run_id()``, or
+    process 0's clock, agreed by every process."""
     if config.train.run_dir:
         return Path(config.train.run_dir)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", config.model.name)
-    if os.environ.get("SLURM_JOB_ID"):
-        run_id = f"slurm{os.environ['SLURM_JOB_ID']}"
-    else:
-        run_id = os.environ.get("JAXDIST_RUN_ID") or _agreed(time.strftime("%Y%m%d-%H%M%S"))
-    return Path("runs") / f"{name}-{config.train.strategy}-{run_id}"
+    dir_id = run_id() or _agreed(time.strftime("%Y%m%d-%H%M%S"))
+    return Path("runs") / f"{name}-{config.train.strategy}-{dir_id}"
 
 
 def _agreed(text: str) -> str:
@@ -63,6 +73,9 @@ class Plan:
 
     resume: bool  # restore the newest good checkpoint in checkpoints/
     clear: bool  # --overwrite of an earlier run: process 0 removes its files first
+    # An earlier attempt of this run that saved no checkpoint: from step 0 again, over
+    # its files (nothing is removed first; metrics.jsonl is replaced at the first step).
+    restart: bool = False
 
 
 def plan(run_dir: Path, resume: str, overwrite: bool) -> Plan:
@@ -81,10 +94,31 @@ def plan(run_dir: Path, resume: str, overwrite: bool) -> Plan:
             f"--run-dir {run_dir} has checkpoints (newest: step {steps[0]}) and --resume is "
             "never: continue it with --resume auto, or start afresh with --overwrite"
         )
+    if written_by_this_run(run_dir):  # a restart or requeue before the first checkpoint
+        return Plan(resume=False, clear=False, restart=True)
     raise ConfigError(
         f"--run-dir {run_dir} holds an earlier run ({', '.join(earlier)}) and no checkpoint "
         "to resume from: replace it with --overwrite, or use another --run-dir"
     )
+
+
+def written_by_this_run(run_dir: Path) -> bool:
+    """Whether an earlier attempt of this run (the same ``run_id()``) wrote ``run_dir``."""
+    mine = run_id()
+    try:
+        theirs = (run_dir / RUN_ID).read_text().strip()
+    except OSError:  # none recorded: a run without an id, or from before ids were kept
+        return False
+    return mine is not None and theirs == mine
+
+
+def record_run_id(run_dir: Path) -> None:
+    """Marks ``run_dir`` as this run's, so that a restart of it is told from a new run."""
+    mine, path = run_id(), run_dir / RUN_ID
+    if mine is None:
+        path.unlink(missing_ok=True)
+    else:
+        path.write_text(mine + "\n")
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
@@ -98,7 +132,7 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 def clear(run_dir: Path) -> None:
     """``--overwrite``: removes an earlier run's files (process 0, before anyone reads)."""
-    for name in RUN_FILES:
+    for name in (*RUN_FILES, RUN_ID):
         path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)
@@ -128,12 +162,13 @@ def check_writable(path: Path, flag: str, *, is_dir: bool) -> None:
 
 
 def create(run_dir: Path, config: Config, resumed_step: int | None = None) -> Path:
-    """Makes ``run_dir`` with the resolved ``config.yaml`` (rerun it with ``--config``).
-    Fresh: no ``metrics.jsonl`` yet. Resumed from step k: ``metrics.jsonl`` keeps its
-    records up to step k (later ones, logged by an attempt that did not save them, are
-    trained again) and is appended to."""
+    """Makes ``run_dir`` with the resolved ``config.yaml`` (rerun it with ``--config``)
+    and this run's id. Fresh or restarted: no ``metrics.jsonl`` yet. Resumed from step
+    k: ``metrics.jsonl`` keeps its records up to step k (later ones, logged by an attempt
+    that did not save them, are trained again) and is appended to."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        record_run_id(run_dir)  # before metrics.jsonl: a directory with steps has its id
         metrics = run_dir / "metrics.jsonl"
         if resumed_step is None:
             metrics.unlink(missing_ok=True)

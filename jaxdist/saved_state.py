@@ -40,6 +40,7 @@ class SavedState:
         self._replicated = replicated
         self._expand = jax.jit(layout.expand, out_shardings=state_sharding)
         self._checkpointers: dict[Path, Checkpointer] = {}
+        self.skipped: list[tuple[int, str]] = []
 
     def named(self, state) -> dict[str, jax.Array]:
         one = jax.tree.map(self._fold, state) if self.layout.copies else state
@@ -69,13 +70,13 @@ class SavedState:
         """``Checkpointer.restore`` into this layout; a directory not saved into yet is
         read by a checkpointer of its own, so the one that saves later keeps its ``keep``."""
         key = Path(directory).absolute()
-        if key in self._checkpointers:
-            return self._checkpointers[key].restore(self.target, step)
-        reader = Checkpointer(key)
+        reader = self._checkpointers.get(key) or Checkpointer(key)
         try:
             return reader.restore(self.target, step)
         finally:
-            reader.close()
+            self.skipped = reader.skipped  # damaged checkpoints passed over, (step, why)
+            if key not in self._checkpointers:
+                reader.close()
 
     def wait(self) -> None:
         for checkpointer in self._checkpointers.values():

@@ -6,8 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -18,23 +16,25 @@ import numpy as np
 import jaxdist
 from jaxdist import config as config_lib
 from jaxdist import data as data_lib
-from jaxdist import resume, rundir, strategies
+from jaxdist import outcome, peers, resume, rundir, strategies
+from jaxdist.agreement import MismatchError
 from jaxdist.config import Config, ConfigError
 from jaxdist.factories import import_object
 from jaxdist.layout import load_rules
-from jaxdist.loop import Run, loop
+from jaxdist.loop import Run, finish, loop
 from jaxdist.losses import default_eval, default_loss
 from jaxdist.models import model_factory, model_task
 from jaxdist.optim import effective_lr, make_optimizer, make_schedule
-from jaxdist.preempt import EXIT_PREEMPTED, StopFlag
-from jaxdist.process import EXIT_PEER_FAILURE, exit_now
-from jaxdist.run_sinks import make_sinks, started
+from jaxdist.preempt import Preempted, StopFlag
+from jaxdist.process import exit_now
+from jaxdist.replica_check import ReplicaDivergenceError
+from jaxdist.run_health import RunHealth
+from jaxdist.run_sinks import announce, make_sinks
 from jaxdist.sharding import BATCH_AXES, axis_size, parse_mesh
-from jaxdist.sinks import Note, Resumed, Stopped
 from jaxdist.sinks.goodput import process_clock_start
 
 # Seen alike by every process (bad input, a bad batch, a non-finite step): each reports it.
-STEP_ERRORS = (jaxdist.JaxdistError, jaxdist.NonFiniteError)
+STEP_ERRORS = (jaxdist.JaxdistError, jaxdist.NonFiniteError, ReplicaDivergenceError, MismatchError)
 
 
 def check_batch(global_batch_size: int, num_devices: int, grad_accum: int) -> int:
@@ -63,7 +63,7 @@ def setup(config: Config, write: bool = False) -> Run:
     """Built on jaxdist's public API only, as a user's own loop would be. ``write``: the
     run has a run directory (checked now), checkpoints, and resumes from them."""
     cfg = config.train
-    # --- process group, devices, stop signals, run directory and mesh
+    # --- process group, devices, stop signals, health, run directory and mesh
     d = config.dist
     info = jaxdist.initialize(
         cpu_devices=cfg.cpu_devices,
@@ -73,11 +73,26 @@ def setup(config: Config, write: bool = False) -> Run:
         local_device_ids=d.local_device_ids,
         init_timeout=d.init_timeout,
         heartbeat_timeout=d.heartbeat_timeout,
+        coordinator_bind_address=d.coordinator_bind_address,
+        health=d.health,
     )
     stop = StopFlag()  # before data is prepared: a signal during set-up stops cleanly too
+    health = RunHealth(config, info)  # the watchdog watches set-up too
     print(f"[rank {info.process_index}] {info}", flush=True)  # one line per process
-    resume.use_compile_cache(cfg.compile_cache)
-    run_dir, plan = resume.prepare_run_dir(config, write)
+    try:
+        resume.use_compile_cache(cfg.compile_cache)
+        run_dir, plan = resume.prepare_run_dir(config, write)
+        health.watch.run_dir = run_dir
+        with outcome.in_run_dir(run_dir):
+            health.agree_setup(config, info)  # same config, versions and counts everywhere
+            return _setup_run(config, info, stop, health, run_dir, plan)
+    except BaseException:
+        health.close(finished=False)  # this process goes on (a test, a notebook): unwatched
+        raise
+
+
+def _setup_run(config, info, stop, health, run_dir, plan) -> Run:
+    cfg = config.train
     if info.process_index == 0:  # the one that writes: an unwritable path fails now
         check_outputs(run_dir, cfg.save_params)
     if cfg.num_devices and info.process_count > 1 and cfg.num_devices != info.device_count:
@@ -95,8 +110,9 @@ def setup(config: Config, write: bool = False) -> Run:
     task = model_task(config.model)
     model_factory(config.model, cfg.seed)  # its arguments checked before data is prepared
     data = load_data(config, task, info)
-    # --- model, loss, optimizer, and the data-parallel step
-    dp = make_step(config, task, data, mesh)
+    # --- model, loss, optimizer, and the data-parallel step, the same on every process
+    dp = make_step(config, task, data, mesh, health.faults.wrap_loss)
+    health.agree_program(dp, global_batch_shapes(data, cfg.global_batch_size), run_dir)
     # The model is built inside jax.jit, or the newest good checkpoint restored into the
     # mesh's layout (from any layout or process count).
     begin = resume.start(dp, run_dir, plan, config)
@@ -109,7 +125,9 @@ def setup(config: Config, write: bool = False) -> Run:
         mesh=mesh,
     )
     batches = data_lib.Prefetcher(
-        data_lib.host_batches(data.train, sampler, begin.step),
+        health.faults.wrap_batches(
+            data_lib.host_batches(data.train, sampler, begin.step), begin.step
+        ),
         put=partial(jaxdist.shard_batch, mesh=mesh),
         depth=config.data.prefetch,
     )
@@ -117,6 +135,7 @@ def setup(config: Config, write: bool = False) -> Run:
     return Run(
         config=config, info=info, mesh=mesh, task=task, dp=dp, state=begin.state, data=data,
         batches=batches, peak_lr=peak_lr, stop=stop, run_dir=run_dir, begin=begin,
+        health=health,
     )  # fmt: skip
 
 
@@ -143,7 +162,20 @@ def make_mesh(cfg: config_lib.TrainConfig):
     return mesh
 
 
-def make_step(config: Config, task: str, data: data_lib.Data, mesh) -> jaxdist.Parallel:
+def global_batch_shapes(data: data_lib.Data, global_batch_size: int) -> dict:
+    """The step's global batch as shapes and dtypes, e.g. {"tokens": (64, T + 1) int32}."""
+    example = data.train[np.arange(1)]
+    return {
+        name: jax.ShapeDtypeStruct(
+            (global_batch_size, *np.shape(x)[1:]), jax.dtypes.canonicalize_dtype(x.dtype)
+        )
+        for name, x in example.items()
+    }
+
+
+def make_step(
+    config: Config, task: str, data: data_lib.Data, mesh, wrap_loss=lambda f: f
+) -> jaxdist.Parallel:
     """The step, in the mesh's layout. The model goes in as a factory: Parallel builds it
     inside ``jax.jit``, directly in the strategy's layout."""
     cfg, d, model_config = config.train, config.data, config.model
@@ -154,11 +186,12 @@ def make_step(config: Config, task: str, data: data_lib.Data, mesh) -> jaxdist.P
     rules, logical_rules = load_rules(cfg.rules) if cfg.rules else (None, None)
     build = model_factory(model_config, cfg.seed)  # checks the factory's arguments now
     loss_fn = import_object(config.model.loss, "--loss") if config.model.loss else None
+    loss_fn = wrap_loss(loss_fn or default_loss(task, d.npz_inputs, d.npz_labels))
     schedule = make_schedule(config.optim, cfg.global_batch_size, cfg.steps)
     return jaxdist.Parallel(
         build,
         make_optimizer(config.optim, schedule),
-        loss_fn or default_loss(task, d.npz_inputs, d.npz_labels),
+        loss_fn,
         mesh=mesh,
         strategy=cfg.strategy,
         grad_accum=cfg.grad_accum,
@@ -203,86 +236,35 @@ def train(
     ``clock_start``: the ``time.perf_counter()`` reading goodput's wall time starts at
     (default: now; the command passes its process's start)."""
     clock_start = time.perf_counter() if clock_start is None else clock_start
-    cfg = config.train
     run = setup(config, write)
-    run_dir = run.run_dir
     sinks = make_sinks(config, run, quiet, clock_start)
-    per_device = cfg.global_batch_size // batch_shards(run.mesh)
-    sinks.emit(
-        Note(
-            f"jaxdist: {cfg.strategy} on {run.mesh.size} {run.info.platform} device(s) in "
-            f"{run.info.process_count} process(es); global batch {cfg.global_batch_size} = "
-            f"{batch_shards(run.mesh)} x {per_device} (grad-accum {cfg.grad_accum}); "
-            f"effective lr {run.peak_lr:.3g} ({config.optim.lr_scaling} scaling)"
-            + (f"; {run.dp.pipeline.describe()}" if run.dp.pipeline else "")
-            + (f"; run dir {run_dir}" if run_dir else "")
-        )
-    )
-    if run.begin.step:
-        sinks.emit(Resumed(run.begin.step, earlier_last_step=run.begin.earlier_last_step))
-        sinks.emit(Note(f"resumed from the checkpoint of step {run.begin.step} in {run_dir}"))
-    sinks.emit(started(config, run))
+    announce(run, sinks)  # what runs where, the deadlines, a resume
     try:
-        stopped_at = loop(run, sinks)
-    except Exception as err:
+        with outcome.in_run_dir(run.run_dir):
+            stopped_at = loop(run, sinks)
+        finish(run, sinks, stopped_at)
+    except BaseException as err:
         run.batches.close()
         sinks.close()
-        if run.info.process_count == 1 or isinstance(err, STEP_ERRORS):
-            raise
-        # A collective failed: a peer died. Exit now; JAX's shutdown barrier would otherwise
-        # wait a whole heartbeat timeout and then abort.
-        print(
-            f"[rank {run.info.process_index}] jaxdist: error: {type(err).__name__}: {err}; "
-            "a peer process probably died",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(EXIT_PEER_FAILURE)
-    run.batches.close()
-    run.dp.wait_for_saves()  # the last checkpoint is on disk before we say done
-    if cfg.save_params and stopped_at is None:
-        params = run.dp.host_params(run.state)  # every process: sharded arrays are gathered
-        if jaxdist.is_main_process():
-            Path(cfg.save_params).parent.mkdir(parents=True, exist_ok=True)
-            np.savez(cfg.save_params, **params)
-    sinks.emit(Stopped(run.history[-1]["step"] if run.history else run.begin.step,
-                       early=stopped_at is not None))  # fmt: skip
-    sinks.close()
+        multi = run.info.process_count > 1
+        if multi and isinstance(err, Exception) and not isinstance(err, STEP_ERRORS):
+            # A collective failed: a peer died. Name it and exit now; JAX's shutdown
+            # barrier would otherwise wait a whole heartbeat timeout and then abort.
+            peers.on_collective_error(err)
+        run.health.close(finished=False)
+        raise
+    run.health.close(finished=True)
     if stopped_at is not None:
-        raise Preempted(stopped_at, run.stop.requested_by, run_dir)
+        checkpoints = run.run_dir / rundir.CHECKPOINTS if run.run_dir else None
+        err = Preempted(stopped_at, run.stop.requested_by, checkpoints)
+        err.run_dir = run.run_dir
+        raise err
     return run
 
 
-class Preempted(Exception):
-    def __init__(self, step: int, requested_by: str, run_dir: Path | None):
-        saved = f"; checkpoint saved in {run_dir / rundir.CHECKPOINTS}" if run_dir else ""
-        super().__init__(
-            f"stopped after step {step} on {requested_by}{saved}; "
-            f"exit {EXIT_PREEMPTED} (run the same command again to resume)"
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
-    try:
-        config = config_lib.parse_args(argv)
-        train(config, clock_start=process_clock_start())
-    except jaxdist.JaxdistError as err:
-        print(f"{rank_prefix()}jaxdist: error: {err}", file=sys.stderr, flush=True)
-        return 2
-    except jaxdist.NonFiniteError as err:  # not bad input: training itself failed
-        print(f"{rank_prefix()}jaxdist: error: {err}", file=sys.stderr, flush=True)
-        return 1
-    except Preempted as stop:
-        print(f"{rank_prefix()}jaxdist: {stop}", file=sys.stderr, flush=True)
-        return EXIT_PREEMPTED
-    return 0
-
-
-def rank_prefix() -> str:
-    """``[rank N] `` once the process group exists with several processes, else ``""``."""
-    if jax.distributed.is_initialized() and jax.process_count() > 1:
-        return f"[rank {jax.process_index()}] "
-    return ""
+    """The command: its exit code (``jaxdist.failures``; ``jaxdist.outcome``)."""
+    return outcome.run(train, argv, clock_start=process_clock_start())
 
 
 if __name__ == "__main__":

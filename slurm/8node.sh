@@ -10,7 +10,7 @@
 #
 # Preemption: SIGUSR1 (below) or SIGTERM makes every process stop after the same step,
 # save a checkpoint and exit 75; the job then requeues itself and resumes from that
-# checkpoint. It finds it because the default run dir, runs/<model>-<strategy>-slurm<id>,
+# checkpoint (as after a dead process, 76, or a hang, 77; see the exit codes below). It finds it because the default run dir, runs/<model>-<strategy>-slurm<id>,
 # is named by SLURM_JOB_ID, which a requeued job keeps (with --run-dir, pass the same dir).
 #SBATCH --job-name=jaxdist
 #SBATCH --nodes=8
@@ -37,21 +37,31 @@ export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax-cache}"
 # JAXDIST_PLATFORM (cpu or gpu) is passed through to every task as it is.
 
 # --kill-on-bad-exit=0: a stopping group's processes exit 75 one after another, and with =1
-# the first exit kills the others (srun then returns 128 + the signal: no requeue). A process
-# that dies still ends the job: the others abort at JAX's heartbeat timeout (jaxdist's
-# --heartbeat-timeout, 100 s by default), or at once if their collective fails.
-srun --kill-on-bad-exit=0 python -m jaxdist.train "$@"
+# the first exit kills the others (srun then returns 128 + the signal: no requeue).
+# --wait=120: once one process has exited, the others get 2 minutes, then srun kills them
+# (a frozen process never exits by itself; the others name it and exit 77 first).
+srun --kill-on-bad-exit=0 --wait=120 python -m jaxdist.train "$@"
 rc=$?
-if [ "$rc" -eq 75 ]; then  # stopped on SIGUSR1/SIGTERM, checkpoint saved: run again later
+# jaxdist's exit codes (README "Exit codes"). srun returns the highest of its tasks'.
+# Requeue when running again can succeed: 75 preempted (checkpoint saved), 76 a process
+# died, 77 hang, and a task killed by a signal (>= 128: a lost node, the OOM killer).
+# Never after 1 (training failed: a non-finite loss), 2 (bad input), 78 (the processes
+# differ: mismatch) or 79 (replicas diverged): they would fail the same way again.
+requeue=0
+case "$rc" in 75|76|77) requeue=1 ;; esac
+[ "$rc" -ge 128 ] && requeue=1
+if [ "$rc" -ne 0 ] && [ "$requeue" -eq 0 ]; then
+    echo "jaxdist: exit $rc: not requeueing job $SLURM_JOB_ID: running it again would fail the same way"
+elif [ "$requeue" -eq 1 ]; then
     # Never requeue forever (a run that cannot finish, or is stopped at every start):
     # SLURM counts this job's requeues in SLURM_RESTART_COUNT (unset on the first start).
     max_requeues="${JAXDIST_MAX_REQUEUES:-20}"
     requeues="${SLURM_RESTART_COUNT:-0}"
     if [ "$requeues" -lt "$max_requeues" ]; then
-        echo "jaxdist: exit 75: requeueing job $SLURM_JOB_ID ($((requeues + 1)) of $max_requeues)"
+        echo "jaxdist: exit $rc: requeueing job $SLURM_JOB_ID ($((requeues + 1)) of $max_requeues)"
         scontrol requeue "$SLURM_JOB_ID"
     else
-        echo "jaxdist: exit 75: not requeueing job $SLURM_JOB_ID: requeued $requeues times" \
+        echo "jaxdist: exit $rc: not requeueing job $SLURM_JOB_ID: requeued $requeues times" \
             "(JAXDIST_MAX_REQUEUES=$max_requeues); to continue, sbatch again with --run-dir" \
             "set to the run dir named at the top of this log"
     fi

@@ -12,6 +12,38 @@ atexit.register(shutil.rmtree, os.environ["JAXDIST_CACHE"], ignore_errors=True)
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 assert jax.device_count() == 8, jax.devices()
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    """``launcher(*args)`` starts ``python -m jaxdist.launch ARGS`` (``group_helpers``);
+    every process ever seen below it is killed at teardown."""
+    from group_helpers import Launcher
+
+    started = []
+
+    def start(*args: str, env: dict | None = None, cwd=None):
+        started.append(Launcher(tmp_path, *args, env=env, cwd=cwd))
+        return started[-1]
+
+    yield start
+    for one in started:
+        one.close()
+
+
+@pytest.fixture(autouse=True)
+def no_watchdog_left_running():
+    """A run's watchdog must stop with it: one left running in this process would, past
+    its deadline, report a hang and end the whole test session (exit 77)."""
+    yield
+    import threading
+    import time
+
+    deadline = time.monotonic() + 3  # a stopped watchdog ends within one poll
+    while any(t.name == "jaxdist-watchdog" and t.is_alive() for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a jaxdist watchdog is still running after the test"
+        time.sleep(0.02)

@@ -2,17 +2,21 @@
 params of an uninterrupted run of 20 steps, bit for bit (every strategy, grad-accum,
 BatchNorm and dropout); onto fewer devices and another layout it continues the same
 losses; damaged and foreign checkpoints are named; an earlier run is never replaced
-silently. The reference is the uninterrupted run's own files (params, metrics.jsonl).
+silently, but a restart of the same run before its first checkpoint trains afresh;
+``--keep`` and ``--lr-scaling`` hold across a resume. The reference is the
+uninterrupted run's own files (params, metrics.jsonl).
 
 Interrupting by deleting the checkpoints after step 12 gives the resumed run exactly
 what a run killed after saving step 12 leaves; real signals and kills are in
-tests/test_preemption.py and tests/test_checkpoint_cluster.py."""
+tests/test_preemption.py and tests/test_checkpoint_cluster.py. Each uninterrupted run is
+trained once for the module (``finished``) and every test works on a copy of it."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,15 +24,19 @@ import pytest
 
 from helpers import relative_error, small_config
 from jaxdist.config import ConfigError, from_dict, to_dict
+from jaxdist.loop import Run
 from jaxdist.train import train
 
 STEPS, EVERY, STOP = 20, 4, 12
+FIRST = "first-run"  # the run id of the module's uninterrupted runs (jaxdist.launch's)
 
 
-def config(run_dir: Path, model: dict | None = None, **train_flags):
-    base = to_dict(small_config(steps=STEPS, checkpoint_every=EVERY, keep=10, **train_flags))
+def config(run_dir: Path, model=None, *, data=None, optim=None, **train_flags):
+    flags = {"steps": STEPS, "checkpoint_every": EVERY, "keep": 10, **train_flags}
+    base = to_dict(small_config(**flags))
     base["train"].update(run_dir=str(run_dir), compile_cache="off")
-    base["model"].update(model or {})
+    for section, values in (("model", model), ("data", data), ("optim", optim)):
+        base[section].update(values or {})
     return from_dict(base)
 
 
@@ -47,13 +55,36 @@ def interrupt_after(run_dir: Path, step: int) -> None:
             shutil.rmtree(path)
 
 
-def uninterrupted_then_resumed(tmp_path, model=None, **train_flags):
-    run_dir = tmp_path / "run"
-    full = train(config(run_dir, model, **train_flags), quiet=True)
-    reference, reference_metrics = final_params(full), metrics(run_dir)
-    interrupt_after(run_dir, STOP)
-    resumed = train(config(run_dir, model, **train_flags), quiet=True)
-    return reference, reference_metrics, resumed, run_dir
+@dataclass
+class Finished:
+    """An uninterrupted run: its final state, params and metrics.jsonl records."""
+
+    run: Run
+    run_dir: Path
+    params: dict[str, np.ndarray]
+    metrics: list[dict]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """``finished(tmp_path, model, data=..., **train_flags)``: the uninterrupted run of
+    ``config(...)`` (trained at its first use in the module, with run id FIRST) and a
+    copy of its run directory in ``tmp_path / "run"`` for the test to change."""
+    done: dict[str, Finished] = {}
+
+    def copy(tmp_path: Path, model=None, **flags) -> tuple[Finished, Path]:
+        key = json.dumps(to_dict(config(Path("run"), model, **flags)), sort_keys=True)
+        if key not in done:
+            run_dir = tmp_path_factory.mktemp("finished") / "run"
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("JAXDIST_RUN_ID", FIRST)
+                env.delenv("SLURM_JOB_ID", raising=False)
+                run = train(config(run_dir, model, **flags), quiet=True)
+            done[key] = Finished(run, run_dir, final_params(run), metrics(run_dir))
+        shutil.copytree(done[key].run_dir, tmp_path / "run")
+        return done[key], tmp_path / "run"
+
+    return copy
 
 
 BN_DROPOUT = {"name": "ckpt_models:BatchNormDropoutMLP"}
@@ -79,32 +110,32 @@ BN_DROPOUT = {"name": "ckpt_models:BatchNormDropoutMLP"}
     ],
 )
 def test_resumed_run_ends_with_the_uninterrupted_params_bit_for_bit(
-    tmp_path, strategy, grad_accum, model
+    tmp_path, finished, strategy, grad_accum, model
 ):
-    reference, reference_metrics, resumed, run_dir = uninterrupted_then_resumed(
-        tmp_path, model, strategy=strategy, grad_accum=grad_accum
-    )
+    flags = {"strategy": strategy, "grad_accum": grad_accum}
+    full, run_dir = finished(tmp_path, model, **flags)
+    interrupt_after(run_dir, STOP)
+    resumed = train(config(run_dir, model, **flags), quiet=True)
     assert resumed.begin.step == STOP
     assert sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir()) == [4, 8, 12, 16, 20]
     got = final_params(resumed)
-    assert got.keys() == reference.keys()
-    for name in reference:
-        np.testing.assert_array_equal(got[name], reference[name], err_msg=name)
+    assert got.keys() == full.params.keys()
+    for name in full.params:
+        np.testing.assert_array_equal(got[name], full.params[name], err_msg=name)
     # metrics.jsonl: one record per step, the resumed steps replacing the dropped ones
     records = metrics(run_dir)
     steps = [r["step"] for r in records]
     assert steps == list(range(1, STEPS + 1)), steps
-    assert [r["loss"] for r in records] == [r["loss"] for r in reference_metrics]
+    assert [r["loss"] for r in records] == [r["loss"] for r in full.metrics]
 
 
-def test_bn_statistics_and_optimizer_state_come_back_exactly(tmp_path):
-    run_dir = tmp_path / "run"
-    full = train(config(run_dir, BN_DROPOUT), quiet=True)
+def test_bn_statistics_and_optimizer_state_come_back_exactly(tmp_path, finished):
+    full, run_dir = finished(tmp_path, BN_DROPOUT)
     again = train(config(run_dir, BN_DROPOUT), quiet=True)  # already trained: restores 20
     assert again.begin.step == STEPS and not again.history
     for part in ("batch_stats", "opt_state"):
         for a, b in zip(
-            jax_leaves(getattr(full.state, part)),
+            jax_leaves(getattr(full.run.state, part)),
             jax_leaves(getattr(again.state, part)),
             strict=True,
         ):
@@ -117,25 +148,22 @@ def jax_leaves(tree) -> list[np.ndarray]:
     return [np.asarray(jax.device_get(x)) for x in jax.tree.leaves(tree)]
 
 
+GPT = {"name": "gpt", "vocab_size": 258, "seq_len": 16, "d_model": 32, "n_heads": 2}
+
+
 @pytest.mark.parametrize(
-    ("after", "model"),
+    ("after", "model", "data"),
     [
-        ({"num_devices": 4}, None),  # 8 devices -> 4
-        (
-            {"mesh": "data=4,model=2"},
-            {"name": "gpt", "vocab_size": 258, "seq_len": 16, "d_model": 32, "n_heads": 2},
-        ),
+        ({"num_devices": 4}, None, None),  # 8 devices -> 4
+        ({"mesh": "data=4,model=2"}, GPT, {"path": "grammar"}),
     ],
     ids=["8-to-4-devices", "gpt-data8-to-data4-model2"],
 )
-def test_elastic_resume_continues_the_uninterrupted_losses(tmp_path, after, model):
-    run_dir = tmp_path / "run"
-    lm = {"data": {"path": "grammar"}} if model else {}
-    first = config(run_dir, model)
-    full = train(_with(first, lm), quiet=True)
-    reference = {r["step"]: r["loss"] for r in metrics(run_dir)}
+def test_elastic_resume_continues_the_uninterrupted_losses(tmp_path, finished, after, model, data):
+    full, run_dir = finished(tmp_path, model, data=data)
+    reference = {r["step"]: r["loss"] for r in full.metrics}
     interrupt_after(run_dir, STOP)
-    resumed = train(_with(config(run_dir, model, **after), lm), quiet=True)
+    resumed = train(config(run_dir, model, data=data, **after), quiet=True)
     assert resumed.begin.step == STOP
     for record in metrics(run_dir):
         if record["step"] > STOP:
@@ -143,17 +171,10 @@ def test_elastic_resume_continues_the_uninterrupted_losses(tmp_path, after, mode
     assert (
         relative_error(
             np.concatenate([v.ravel() for v in final_params(resumed).values()]),
-            np.concatenate([v.ravel() for v in final_params(full).values()]),
+            np.concatenate([v.ravel() for v in full.params.values()]),
         )
         < 1e-5
     )
-
-
-def _with(cfg, sections: dict):
-    tree = to_dict(cfg)
-    for name, values in sections.items():
-        tree[name].update(values)
-    return from_dict(tree)
 
 
 def newest_array_file(run_dir: Path, step: int) -> Path:
@@ -162,10 +183,11 @@ def newest_array_file(run_dir: Path, step: int) -> Path:
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path, capsys, damage):
-    run_dir = tmp_path / "run"
+def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(
+    tmp_path, finished, capsys, damage
+):
     wide = {"hidden": 256}  # array chunks, not metadata, are the largest files
-    reference = final_params(train(config(run_dir, wide), quiet=True))
+    full, run_dir = finished(tmp_path, wide)
     interrupt_after(run_dir, STOP)
     path = newest_array_file(run_dir, STOP)
     data = bytearray(path.read_bytes())
@@ -183,14 +205,19 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(tmp_path
     else:  # orbax fails to decode the array: named, with its saved shape
         assert re.search(r"cannot be read: \S+ \(saved as \(\d+, \d+\) float32\)", warning)
     assert resumed.begin.step == STOP - EVERY  # the previous checkpoint
+    (record,) = [json.loads(x) for x in (run_dir / "failures.jsonl").read_text().splitlines()]
+    assert (record["cause"], record["step"], record["recovered"]) == (
+        "corrupt_checkpoint",
+        STOP,
+        True,
+    )
     got = final_params(resumed)
-    for name in reference:
-        np.testing.assert_array_equal(got[name], reference[name], err_msg=name)
+    for name in full.params:
+        np.testing.assert_array_equal(got[name], full.params[name], err_msg=name)
 
 
-def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(tmp_path):
-    run_dir = tmp_path / "run"
-    train(config(run_dir, {"hidden": 24}), quiet=True)
+def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(tmp_path, finished):
+    _, run_dir = finished(tmp_path, {"hidden": 24})
     with pytest.raises(ConfigError) as err:
         train(config(run_dir, {"hidden": 32}), quiet=True)
     text = str(err.value)
@@ -198,33 +225,82 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(tmp_path)
     assert "params/head/kernel is (24, 5) float32 there and (32, 5) float32 in this one" in text
 
 
-def test_an_earlier_run_is_never_replaced_silently(tmp_path):
-    run_dir = tmp_path / "run"
-    train(config(run_dir), quiet=True)
+def run_as(monkeypatch, launcher_id: str | None) -> None:
+    """The run ids this process's runs get: ``jaxdist.launch``'s, or none."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    if launcher_id is None:
+        monkeypatch.delenv("JAXDIST_RUN_ID", raising=False)
+    else:
+        monkeypatch.setenv("JAXDIST_RUN_ID", launcher_id)
+
+
+def test_an_earlier_run_is_never_replaced_silently(tmp_path, finished, monkeypatch):
+    _, run_dir = finished(tmp_path)
+    run_as(monkeypatch, None)
     with pytest.raises(
         ConfigError, match="has checkpoints .newest: step 20. and --resume is never"
     ):
-        train(_with(config(run_dir), {"train": {"resume": "never"}}), quiet=True)
+        train(config(run_dir, resume="never"), quiet=True)
     shutil.rmtree(run_dir / "checkpoints")  # an earlier run with nothing to resume from
     before = (run_dir / "metrics.jsonl").read_text()
-    with pytest.raises(ConfigError, match="holds an earlier run .metrics.jsonl, config.yaml."):
-        train(config(run_dir), quiet=True)
+    for other in (None, "another-run"):  # no run id, or another run's
+        run_as(monkeypatch, other)
+        with pytest.raises(ConfigError, match="holds an earlier run .metrics.jsonl, config.yaml."):
+            train(config(run_dir), quiet=True)
     assert (run_dir / "metrics.jsonl").read_text() == before  # untouched
-    fresh = train(_with(config(run_dir), {"train": {"overwrite": True}}), quiet=True)
+    fresh = train(config(run_dir, overwrite=True), quiet=True)
     assert fresh.begin.step == 0
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
 
 
-def test_a_changed_global_batch_is_said_not_silently_trained(tmp_path, capsys):
-    run_dir = tmp_path / "run"
-    train(config(run_dir), quiet=True)
+def test_a_restart_of_the_same_run_before_its_first_checkpoint_trains_afresh(
+    tmp_path, finished, monkeypatch, capsys
+):
+    """The launcher's restart or a requeued job (the same run id) after a crash before
+    the first checkpoint: not refused, trained again from step 0 in the same directory."""
+    full, run_dir = finished(tmp_path)
+    shutil.rmtree(run_dir / "checkpoints")  # what an attempt that saved nothing leaves
+    run_as(monkeypatch, FIRST)
     capsys.readouterr()
-    longer = _with(config(run_dir), {"train": {"steps": 24, "global_batch_size": 32}})
-    resumed = train(longer, quiet=True)
+    again = train(config(run_dir), quiet=True)
     out = capsys.readouterr().out
-    assert resumed.begin.step == STEPS
+    assert again.begin.step == 0
     assert (
-        f"note: resuming at step {STEPS}: the global batch is 32, the checkpoint's was 16: "
-        f"batches from step {STEPS + 1} differ from the earlier run's, and the learning rate "
-        "follows --lr-scaling none"
+        f"note: restarting run {FIRST} in {run_dir} from step 0: an earlier attempt reached "
+        f"step {STEPS} and saved no checkpoint"
     ) in out, out
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))  # replaced
+    goodput = json.loads((run_dir / "goodput.json").read_text())  # both attempts counted
+    assert len(goodput["attempts"]) == 2 and goodput["recomputed_s"] > 0, goodput
+    got = final_params(again)
+    for name in full.params:
+        np.testing.assert_array_equal(got[name], full.params[name], err_msg=name)
+
+
+def test_keep_leaves_only_the_newest_checkpoints(tmp_path, finished):
+    _, run_dir = finished(tmp_path)
+    interrupt_after(run_dir, 8)  # 4 and 8 saved by the earlier attempt
+    train(config(run_dir, keep=2), quiet=True)  # saves 12, 16 and 20
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["16", "20"]
+
+
+@pytest.mark.parametrize(("scaling", "factor"), [("none", 1.0), ("linear", 2.0)])
+def test_a_changed_global_batch_is_said_and_the_lr_follows_lr_scaling(
+    tmp_path, finished, capsys, scaling, factor
+):
+    full, run_dir = finished(tmp_path)  # global batch 16, lr 0.05
+    interrupt_after(run_dir, STOP)
+    capsys.readouterr()
+    scaled = {"lr_scaling": scaling, "base_batch_size": 16}
+    resumed = train(config(run_dir, global_batch_size=32, optim=scaled), quiet=True)
+    out = capsys.readouterr().out
+    assert resumed.begin.step == STOP
+    assert (
+        f"note: resuming at step {STOP}: the global batch is 32, the checkpoint's was 16: "
+        f"batches from step {STOP + 1} differ from the earlier run's, and the learning rate "
+        f"follows --lr-scaling {scaling}: peak {0.05 * factor:.3g}, the checkpoint's 0.05"
+    ) in out, out
+    # The logged lr: the uninterrupted run's schedule, scaled by 32 / base batch 16 or not
+    want = {r["step"]: r["lr"] * factor for r in full.metrics if r["step"] > STOP}
+    got = {r["step"]: r["lr"] for r in metrics(run_dir) if r["step"] > STOP}
+    assert got == pytest.approx(want, rel=1e-6)

@@ -1,9 +1,10 @@
 """Whole process groups restarted, for real: a worker killed with ``kill -9`` under
-``jaxdist.launch --max-restarts 1``, and a SLURM job stopped by SIGUSR1, requeued by
-slurm/8node.sh and resumed. Both must end with the params, bit for bit, of an
-uninterrupted launcher run of the same command: 2 processes x 4 CPU devices (1 x 8 is
-not the reference: its gradient sum runs in another order and differs in the last bits).
-The SLURM scripts' requeue limit is checked with stand-ins for ``srun`` and ``scontrol``.
+``jaxdist.launch --max-restarts 2`` (before any checkpoint, then after one), and a SLURM
+job stopped by SIGUSR1, requeued by slurm/8node.sh and resumed. All must end with the
+params, bit for bit, of an uninterrupted launcher run of the same command: 2 processes x
+4 CPU devices (1 x 8 is not the reference: its gradient sum runs in another order and
+differs in the last bits). That run also shows the default run directory and the
+compilation cache. (What the SLURM scripts do with each exit code: test_slurm_scripts.py.)
 """
 
 from __future__ import annotations
@@ -12,29 +13,33 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_launch_robust import Launcher, gone_within
 
 import slurm_cluster
+from group_helpers import Launcher, gone_within
 from helpers import launch
 from jaxdist.rundir import checkpoint_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 60, 5  # a stop lands between the first checkpoint and the end
 TRAIN = [sys.executable, "-m", "jaxdist.train", "--steps", str(STEPS), "--log-every", "1"]
-TRAIN += ["--checkpoint-every", str(EVERY), "--global-batch-size", "32", "--hidden", "32"]
-TRAIN += ["--seed", "4", "--heartbeat-timeout", "30"]
+TRAIN += ["--global-batch-size", "32", "--hidden", "32", "--seed", "4"]
+TRAIN += ["--heartbeat-timeout", "30"]
+CHECKPOINTS = ["--checkpoint-every", str(EVERY)]
 GROUP = ["--nproc", "2", "--cpu-devices-per-proc", "4"]
 SLURM = pytest.mark.skipif(
     slurm_cluster.missing() is not None, reason=f"SLURM cluster: {slurm_cluster.missing()}"
 )
+pytestmark = pytest.mark.xdist_group("slurm")  # one local cluster at a time
 
 
 def params(path: Path) -> dict[str, np.ndarray]:
@@ -61,52 +66,98 @@ def past_first_checkpoint(run_dir: Path) -> bool:
     return bool(saved) and bool(steps) and steps[-1] > min(saved)
 
 
+def before_any_checkpoint(run_dir: Path) -> bool:
+    """A step has been logged and no checkpoint is complete."""
+    return bool(logged_steps(run_dir)) and not checkpoint_steps(run_dir)
+
+
+# `python -m jaxdist.train` with rank 1's clock in 1999: a run directory named by each
+# process's own clock would differ between the ranks.
+SKEWED_TRAIN = """import os, runpy, time
+real = time.strftime
+def skewed(fmt, *t):
+    return "19990101-000000" if fmt == "%Y%m%d-%H%M%S" else real(fmt, *t)
+if os.environ["JAXDIST_PROCESS_ID"] == "1":
+    time.strftime = skewed
+runpy.run_module("jaxdist.train", run_name="__main__", alter_sys=True)
+"""
+
+
+@dataclass
+class Uninterrupted:
+    params: dict[str, np.ndarray]  # the reference for every restarted run here
+    cwd: Path  # runs/<default run dir>, cache/xla (its compilation cache)
+    output: str
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[str, np.ndarray]:
+def uninterrupted(tmp_path_factory) -> Uninterrupted:
+    """The reference run, started as plain defaults would: no --run-dir and no run id
+    (JAXDIST_RUN_ID empty: the launcher then names none), so process 0's clock names the
+    run directory; no --compile-cache, with its own JAXDIST_CACHE (and a minimum compile
+    time of 0, so that every program is written however fast it compiles)."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
+    (tmp / "skewed_train.py").write_text(SKEWED_TRAIN)
     out = tmp / "params.npz"
+    env = {"JAXDIST_RUN_ID": "", "JAXDIST_CACHE": str(tmp / "cache")}
+    env |= {"JAX_COMPILATION_CACHE_DIR": "", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     done, _ = launch(
-        *GROUP, "--", *TRAIN, "--run-dir", str(tmp / "run"), "--save-params", str(out),
-        timeout=120,
+        *GROUP, "--", sys.executable, "skewed_train.py", *TRAIN[3:], *CHECKPOINTS,
+        "--save-params", str(out), cwd=tmp, timeout=120, env_extra=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     assert "resumed" not in done.stdout
-    return params(out)
+    # The tests after this one compile as warm as they would have with the shared cache
+    shared = Path(os.environ["JAXDIST_CACHE"]) / "xla"
+    shutil.copytree(tmp / "cache" / "xla", shared, dirs_exist_ok=True)
+    return Uninterrupted(params(out), tmp, done.stdout)
 
 
-@pytest.fixture
-def launcher(tmp_path):
-    started: list[Launcher] = []
-
-    def start(*args: str) -> Launcher:
-        started.append(Launcher(tmp_path, *args))
-        return started[-1]
-
-    yield start
-    for one in started:
-        one.close()
+def test_the_default_run_dir_is_process_0s_on_every_process(uninterrupted):
+    """Had rank 1 named its own, it would be runs/mlp-gspmd-19990101-000000, and the
+    checkpoint both processes write would not be complete in process 0's."""
+    names = [p.name for p in (uninterrupted.cwd / "runs").iterdir()]
+    assert len(names) == 1 and re.fullmatch(r"mlp-gspmd-20\d{6}-\d{6}", names[0]), names
+    assert f"run dir runs/{names[0]}" in uninterrupted.output
+    assert checkpoint_steps(uninterrupted.cwd / "runs" / names[0])[0] == STEPS
 
 
-def test_a_worker_killed_mid_run_restarts_the_group_which_ends_bit_for_bit(
-    tmp_path, launcher, uninterrupted
-):
-    run_dir, out = tmp_path / "run", tmp_path / "params.npz"
-    run = launcher(
-        *GROUP, "--max-restarts", "1", "--",
-        *TRAIN, "--run-dir", str(run_dir), "--save-params", str(out),
-    )  # fmt: skip
-    run.wait_for(lambda: past_first_checkpoint(run_dir), 90, "a step after the first checkpoint")
+def test_the_compilation_cache_is_on_by_default(uninterrupted):
+    """No --compile-cache: the compiled programs are in the jaxdist cache's xla/."""
+    written = [p.name for p in (uninterrupted.cwd / "cache" / "xla").glob("*train_step*")]
+    assert written, sorted(p.name for p in (uninterrupted.cwd / "cache").rglob("*"))
+
+
+def kill_rank_1_when(run: Launcher, condition, what: str) -> None:
+    run.wait_for(condition, 90, what)
     ranks = run.ranks()
     assert sorted(ranks) == [0, 1], ranks
     os.kill(ranks[1], signal.SIGKILL)
+
+
+def test_a_worker_killed_twice_restarts_the_group_which_ends_bit_for_bit(
+    tmp_path, launcher, uninterrupted
+):
+    """Killed before any checkpoint (the restarted group, the same run, trains afresh in
+    its directory), then after one (the next group resumes from it). Checkpoints every
+    30 steps leave each kill a window of 29 steps."""
+    run_dir, out = tmp_path / "run", tmp_path / "params.npz"
+    run = launcher(
+        *GROUP, "--max-restarts", "2", "--", *TRAIN, "--checkpoint-every", "30",
+        "--run-dir", str(run_dir), "--save-params", str(out),
+    )  # fmt: skip
+    kill_rank_1_when(run, lambda: before_any_checkpoint(run_dir), "a step before a checkpoint")
+    run.wait_for(lambda: "[launch] restart 1/2" in run.text(), 30, "the first restart")
+    kill_rank_1_when(run, lambda: past_first_checkpoint(run_dir), "a step after a checkpoint")
     assert run.proc.wait(timeout=90) == 0, run.text()[-3000:]
     text = run.text()
-    assert "[launch] rank 1 failed with exit code 137: it was killed by SIGKILL" in text
-    assert "[launch] restart 1/1" in text
-    resumed = int(re.search(r"\[rank 0\] resumed from the checkpoint of step (\d+)", text)[1])
-    assert resumed % EVERY == 0 and EVERY <= resumed < STEPS, resumed
+    killed = "[launch] rank 1 failed with exit code 137: it was killed by SIGKILL"
+    assert text.count(killed) == 2 and "[launch] restart 2/2" in text, text[-3000:]
+    restarted = r"\[rank 0\] jaxdist: note: restarting run \S+ in \S+ from step 0: an earlier"
+    assert re.search(restarted, text), text[-3000:]
+    assert "[rank 0] resumed from the checkpoint of step 30 in " in text, text[-3000:]
     assert logged_steps(run_dir) == list(range(1, STEPS + 1))  # none twice, none missing
-    assert_bitwise_equal(params(out), uninterrupted)
+    assert_bitwise_equal(params(out), uninterrupted.params)
     assert gone_within(run.below() | run.seen, 5), "processes left behind"
 
 
@@ -193,7 +244,8 @@ def test_a_slurm_job_stopped_by_usr1_is_requeued_and_resumes_bit_for_bit(
     tmp_path, slurm_env, uninterrupted
 ):
     out = tmp_path / "params.npz"
-    train = ["--cpu-devices", "4", *TRAIN[3:], "--save-params", str(out), "--init-timeout", "120"]
+    train = ["--cpu-devices", "4", *TRAIN[3:], *CHECKPOINTS, "--save-params", str(out)]
+    train += ["--init-timeout", "120"]
     # No --run-dir: the default one is named by the job id, which the requeued job keeps.
     run_dirs = lambda: list(tmp_path.glob(f"runs/*-slurm{job_id}"))  # noqa: E731
     with submitted(tmp_path, slurm_env, *ON_2_CPU_NODES, *train) as job_id:
@@ -209,7 +261,7 @@ def test_a_slurm_job_stopped_by_usr1_is_requeued_and_resumes_bit_for_bit(
     assert f"jaxdist: exit 75: requeueing job {job_id} (1 of 20)" in text  # srun returned 75
     assert f"resumed from the checkpoint of step {stopped} in " in text
     assert logged_steps(run_dirs()[0]) == list(range(1, STEPS + 1))  # none twice, none missing
-    assert_bitwise_equal(params(out), uninterrupted)
+    assert_bitwise_equal(params(out), uninterrupted.params)
 
 
 # A stopped group whose processes exit 75 two seconds apart (rank 1 first)
@@ -233,42 +285,3 @@ def test_processes_exiting_75_one_after_another_leave_srun_at_75(tmp_path, slurm
     text = log.read_text()
     assert (state["JobState"], state["Restarts"], state["ExitCode"]) == ("FAILED", "0", "75:0")
     assert f"not requeueing job {job_id}: requeued 0 times" in text, text
-
-
-def stand_ins(tmp_path: Path) -> dict[str, str]:
-    """A PATH whose ``srun`` exits 75 (a stopped run) and whose ``scontrol`` records its
-    arguments in ``scontrol.log``."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text("#!/bin/sh\nexit 75\n")
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n')
-    for tool in bin_dir.iterdir():
-        tool.chmod(0o755)
-    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "7"}
-
-
-@pytest.mark.parametrize("script", ["1node.sh", "8node.sh"])
-@pytest.mark.parametrize(
-    ("restarts", "limit", "requeued"),
-    [(None, None, "1 of 20"), ("19", None, "20 of 20"), ("20", None, None), ("2", "2", None)],
-)
-def test_the_scripts_requeue_on_75_at_most_jaxdist_max_requeues_times(
-    tmp_path, script, restarts, limit, requeued
-):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "JAXDIST_"))}
-    env.update(stand_ins(tmp_path))
-    if restarts is not None:  # SLURM leaves it unset on a job's first start
-        env["SLURM_RESTART_COUNT"] = restarts
-    if limit is not None:
-        env["JAXDIST_MAX_REQUEUES"] = limit
-    done = subprocess.run(
-        ["bash", str(ROOT / "slurm" / script)], env=env, capture_output=True, text=True, timeout=30
-    )
-    assert done.returncode == 75, done.stderr
-    scontrol_log = tmp_path / "scontrol.log"
-    if requeued:
-        assert f"jaxdist: exit 75: requeueing job 7 ({requeued})" in done.stdout
-        assert scontrol_log.read_text() == "requeue 7\n"
-    else:
-        assert f"not requeueing job 7: requeued {restarts} times" in done.stdout, done.stdout
-        assert not scontrol_log.exists()

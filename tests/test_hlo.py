@@ -20,6 +20,8 @@ SHAPE = re.compile(r"f32\[([\d,]*)\]")
 def lowered_step(strategy: str, num_devices: int):
     run = setup(small_config(strategy=strategy, num_devices=num_devices))
     batch, _ = next(run.batches)  # already on the devices
+    run.batches.close()
+    run.health.close(finished=True)  # no loop follows: nothing for its watchdog to watch
     params = run.dp.unreplicate(run.state).params
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     return run.dp.lower(run.state, batch), n_params

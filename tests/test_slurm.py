@@ -24,9 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN_ARGS = shlex.split("--steps 4 --log-every 1 --global-batch-size 32 --hidden 32 --seed 2")
 TRAIN_ARGS += ["--strategy", "shard_map"]
 
-pytestmark = pytest.mark.skipif(
-    slurm_cluster.missing() is not None, reason=f"SLURM cluster: {slurm_cluster.missing()}"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        slurm_cluster.missing() is not None, reason=f"SLURM cluster: {slurm_cluster.missing()}"
+    ),
+    pytest.mark.xdist_group("slurm"),  # one local cluster at a time (its ports, its hosts)
+]
 
 
 def test_8node_script_trains_8_processes_like_one(tmp_path):

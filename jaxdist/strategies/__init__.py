@@ -86,6 +86,13 @@ class StepProgram:
     def lower(self) -> jax.stages.Lowered:
         return self.fn.lower(self.state, self.batch)
 
+    def abstract_batch(self, batch):
+        """``batch``'s shapes and dtypes, laid out as this program's batches are."""
+        sharding = jax.tree.leaves(self.batch)[0].sharding
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch
+        )
+
     def compile(self) -> jax.stages.Compiled:
         if "compiled" not in self._compiled:
             self._compiled["compiled"] = self.lower().compile()

@@ -1,0 +1,138 @@
+"""How a run ends when it does not finish: one fixed exit code per cause, and one line per
+abnormal end in ``RUN_DIR/failures.jsonl``.
+
+The codes are the contract with schedulers: ``slurm/*.sh`` requeue a job that ended with
+one of ``REQUEUE`` (the run can continue from its checkpoint on other or healthier
+nodes), never one that ended on bad input, a mismatch or diverged replicas (running it
+again would fail the same way). ``python -m jaxdist.launch`` passes them through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+OK = 0
+FAILED = 1  # training failed: a non-finite loss (--nan-policy halt) or an unexpected error
+BAD_INPUT = 2  # a config value, a model, data or a checkpoint that cannot be used
+PREEMPTED = 75  # stopped on SIGUSR1/SIGTERM after saving a checkpoint (EX_TEMPFAIL)
+PEER_DIED = 76  # another process of the group died, never joined, or its host is gone
+HANG = 77  # a step or phase did not complete within its deadline (hang-report.txt)
+MISMATCH = 78  # the processes differ in config, versions, layout or compiled program
+DIVERGED = 79  # data-parallel replicas of a parameter hold different values
+TERMINATED = 143  # a second SIGTERM: 128 + 15, as a shell reports it
+
+# cause (failures.jsonl) -> exit code
+CODES = {
+    "nonfinite": FAILED,
+    "error": FAILED,
+    "bad_input": BAD_INPUT,
+    "corrupt_checkpoint": BAD_INPUT,
+    "preempted": PREEMPTED,
+    "dead_peer": PEER_DIED,
+    "hang": HANG,
+    "mismatch": MISMATCH,
+    "replica_divergence": DIVERGED,
+}
+REQUEUE = (PREEMPTED, PEER_DIED, HANG)  # and a death by a signal (128 + S): a lost node
+FILE = "failures.jsonl"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One abnormal end (or, ``recovered``, a fault the run got past), as people read it.
+
+    ``process``/``host``: the culprit where one is known (the dead or stuck process),
+    else the process that detected it. ``detect_s``: seconds from the fault to its
+    detection, where the fault's time is known (a hang: since the stuck process last made
+    progress; a dead peer: since its last sign of life)."""
+
+    cause: str
+    message: str
+    process: int | None = None
+    host: str = ""
+    step: int | None = None
+    detect_s: float | None = None
+    exit_code: int | None = None
+    reported_by: int = 0
+    recovered: bool = False  # e.g. a damaged checkpoint skipped for an older one
+    time: str = ""
+
+
+def record(run_dir: Path | None, failure: Failure) -> None:
+    """Appends ``failure`` to ``RUN_DIR/failures.jsonl``, making the directory if need be,
+    except for bad input: a run refused before its first step leaves nothing behind.
+    Never raises: it runs on the way out of a failing process."""
+    if run_dir is None:
+        return
+    if failure.cause == "bad_input" and not Path(run_dir).is_dir():
+        return
+    values = asdict(failure)
+    values["time"] = failure.time or time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    if failure.exit_code is None and not failure.recovered and failure.cause in CODES:
+        values["exit_code"] = CODES[failure.cause]
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(run_dir) / FILE, "a") as out:
+            out.write(json.dumps(values) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError:
+        pass
+
+
+def read(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def hostname() -> str:
+    return socket.gethostname()
+
+
+LAUNCHER_DIR = "JAXDIST_FAILURE_DIR"  # set by python -m jaxdist.launch for its ranks
+
+
+def tell_launcher(failure: Failure) -> None:
+    """Leaves ``failure`` where ``python -m jaxdist.launch`` looks when its group ends, so
+    that it names the culprit (a frozen process never exits by itself: without this the
+    first rank to exit, a healthy one, would be blamed). Never raises."""
+    folder = os.environ.get(LAUNCHER_DIR)
+    if not folder:
+        return
+    rank = os.environ.get("JAXDIST_PROCESS_ID", str(failure.reported_by))
+    with contextlib.suppress(OSError):
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(asdict(failure)))
+
+
+def from_launcher_dir(folder: Path) -> dict[int, dict]:
+    """What each rank left with ``tell_launcher``: {rank: failure}."""
+    found = {}
+    for path in Path(folder).glob("rank*.json"):
+        with_suffix = path.stem.removeprefix("rank")
+        if with_suffix.isdigit():
+            try:
+                found[int(with_suffix)] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+    return found
+
+
+def culprit_line(first_rank: int, told: dict[int, dict], stopped: list[int]) -> str:
+    """The launcher's line naming the culprit when it is not the first rank to exit, or
+    "" (the first rank is to blame, or nobody said)."""
+    if stopped:
+        ranks = ", ".join(map(str, stopped))
+        return f"culprit: rank {ranks} is stopped (frozen, e.g. by SIGSTOP) and never exited"
+    said = told.get(first_rank) or next(iter(told.values()), None)
+    if said and said.get("process") is not None and said["process"] != first_rank:
+        who = f"rank {said['process']}, named by rank {said['reported_by']}"
+        return f"culprit: {who}: {said['message']}"
+    return ""

@@ -1,0 +1,144 @@
+"""Fault injection, for the tests and ``experiments/faults.py``: the environment variable
+``JAXDIST_FAULT="KIND@PROCESS:STEP"`` (several, comma-separated) makes process PROCESS
+misbehave at step STEP of ``python -m jaxdist.train``:
+
+==========  ==============================================================================
+kill        SIGKILL itself before the step (a crashed process, a lost node)
+freeze      SIGSTOP itself before the step (a frozen process: all its threads stop)
+stall-data  the read of the step's batch never returns (a stuck network filesystem)
+spin        the training loop's thread spins for ever before the step (an infinite loop)
+deadlock    the loop's thread waits for a lock it holds (a deadlocked callback)
+program     its training step differs: the loss is scaled by 1 + 2^-20 (STEP is ignored)
+flip        one bit of a parameter flips on its first device before the step
+==========  ==============================================================================
+
+Unset (the normal case) it costs one dictionary lookup per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxdist.errors import ConfigError
+
+VARIABLE = "JAXDIST_FAULT"
+KINDS = ("kill", "freeze", "stall-data", "spin", "deadlock", "program", "flip")
+PROGRAM_SCALE = 1.0 + 2.0**-20
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    process: int
+    step: int
+
+
+def parse(text: str) -> list[Fault]:
+    faults = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        kind, _, where = part.partition("@")
+        process, _, step = where.partition(":")
+        if kind not in KINDS or not process.isdigit() or not (step.isdigit() or kind == "program"):
+            raise ConfigError(
+                f"{VARIABLE}={text!r}: {part!r} is not KIND@PROCESS:STEP with KIND one of "
+                f"{', '.join(KINDS)}"
+            )
+        faults.append(Fault(kind, int(process), int(step or 0)))
+    return faults
+
+
+class Faults:
+    """This process's faults (none unless ``JAXDIST_FAULT`` names it)."""
+
+    def __init__(self, faults: list[Fault], process_index: int):
+        mine = [f for f in faults if f.process == process_index]
+        self.process_index = process_index
+        self.at_step = {f.step: f for f in mine if f.kind not in ("stall-data", "program")}
+        self.stall_steps = {f.step for f in mine if f.kind == "stall-data"}
+        self.program = any(f.kind == "program" for f in mine)
+
+    @classmethod
+    def from_env(cls, process_index: int) -> Faults:
+        return cls(parse(os.environ.get(VARIABLE, "")), process_index)
+
+    def wrap_loss(self, loss_fn):
+        """The ``program`` fault: the same loss scaled, so another compiled step."""
+        if not self.program:
+            return loss_fn
+
+        def scaled(*args, **kwargs):
+            out = loss_fn(*args, **kwargs)
+            if isinstance(out, tuple):
+                return (out[0] * PROGRAM_SCALE, *out[1:])
+            return out * PROGRAM_SCALE
+
+        return scaled
+
+    def wrap_batches(self, batches, start_step: int):
+        """Host batches of steps start_step + 1, ...; a ``stall-data`` step never comes."""
+        if not self.stall_steps:
+            return batches
+        return _stalling(batches, start_step, self.stall_steps, self.process_index)
+
+    def before_step(self, step: int, state):
+        fault = self.at_step.get(step)
+        if fault is None:
+            return state
+        announce(fault)
+        if fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind == "freeze":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if fault.kind == "spin":
+            while True:  # the point is never to return
+                pass
+        if fault.kind == "deadlock":
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()  # never returns
+        if fault.kind == "flip":
+            return flip_a_bit(state)
+        return state
+
+
+def announce(fault: Fault) -> None:
+    """One line on stderr with the wall time, so a harness can time the detection."""
+    print(
+        f"jaxdist: fault injected: {fault.kind} at step {fault.step} on process "
+        f"{fault.process}, time {time.time():.3f}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _stalling(batches, start_step: int, stall_steps: set[int], process: int):
+    for step, batch in enumerate(batches, start_step + 1):
+        if step in stall_steps:
+            announce(Fault("stall-data", process, step))
+        while step in stall_steps:
+            time.sleep(3600)
+        yield batch
+
+
+def flip_a_bit(state, leaf: int = 0):
+    """``state`` with bit 20 of the first element of parameter ``leaf`` (in
+    ``jax.tree.leaves`` order) flipped in this process's first device's block only: its
+    replicas now differ by one bit."""
+    leaves, treedef = jax.tree.flatten(state.params)
+    first = leaves[leaf]
+    shards = [s.data for s in first.addressable_shards]
+    host = np.array(shards[0])
+    bits = host.view(np.uint32) if host.dtype.itemsize == 4 else host.view(np.uint16)
+    bits.reshape(-1)[0] ^= 1 << (20 if host.dtype.itemsize == 4 else 10)
+    shards[0] = jax.device_put(host, shards[0].devices().pop())
+    leaves[leaf] = jax.make_array_from_single_device_arrays(first.shape, first.sharding, shards)
+    return dataclasses.replace(state, params=jax.tree.unflatten(treedef, leaves))
