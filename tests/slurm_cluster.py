@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _conf(root: Path, ctld_port: int, node_ports: list[int]) -> str:
+def _conf(root: Path, spool: Path, ctld_port: int, node_ports: list[int]) -> str:
     ports = ",".join(map(str, node_ports))
     return f"""\
 ClusterName=jaxdisttest
@@ -59,7 +60,7 @@ AuthType=auth/munge
 AuthInfo=cred_expire=10
 CredType=cred/munge
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool/%n
+SlurmdSpoolDir={spool}/%n
 SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd.%n.pid
 SlurmctldLogFile={root}/slurmctld.log
@@ -140,13 +141,18 @@ def _wait(ready, seconds: float, what: str) -> None:
 def cluster(root: Path):
     """Starts the cluster; yields the environment that its client commands need."""
     root.mkdir(parents=True, exist_ok=True)
-    for sub in ["state", *(f"spool/{n}" for n in NODES)]:
-        (root / sub).mkdir(parents=True, exist_ok=True)
+    (root / "state").mkdir(exist_ok=True)
+    # slurmstepd makes Unix sockets in the spool: their path must stay under 108 bytes,
+    # which a test's temporary directory (pytest-xdist adds a level) can exceed.
+    spool = Path(tempfile.mkdtemp(prefix="jdslurm-"))
+    for node in NODES:
+        (spool / node).mkdir()
     ctld_port, *node_ports = _free_ports(1 + len(NODES))
     conf = root / "slurm.conf"
-    conf.write_text(_conf(root, ctld_port, node_ports))
+    conf.write_text(_conf(root, spool, ctld_port, node_ports))
     env = {**os.environ, "SLURM_CONF": str(conf)}
     with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, spool, ignore_errors=True)
         if _add_hosts():
             stack.callback(_remove_hosts)
         _start_munge(stack)
@@ -167,8 +173,6 @@ def cluster(root: Path):
 
 
 if __name__ == "__main__":
-    import tempfile
-
     if reason := missing():
         raise SystemExit(f"cannot start: {reason}")
     with tempfile.TemporaryDirectory() as tmp, cluster(Path(tmp)) as env:

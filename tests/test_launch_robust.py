@@ -114,8 +114,9 @@ def test_a_rank_killed_mid_training_ends_the_group_at_once(tmp_path, launcher, v
 
 def exits_at(tmp_path: Path, plan: dict[int, tuple[float, int]], say: str = "") -> str:
     """A job in which rank r exits with code c at wall-clock time start + t, where
-    plan[r] = (t, c); ``start`` is 2 s from now, so that every rank has started."""
-    start = time.time() + 2
+    plan[r] = (t, c); ``start`` is 4 s from now, so that every rank has started (2 s was
+    too little on a loaded 2-core machine: both ranks then exited at once)."""
+    start = time.time() + 4
     return script(
         tmp_path,
         "job.py",
