@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -215,9 +216,25 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     if code and jax.distributed.is_initialized() and jax.process_count() > 1:
+        if code == failures.PREEMPTED:
+            _leave_together()
         peers.exit_now(code)
     peers.expect_exit(code)  # JAX's client aborting during a normal shutdown keeps it
     sys.exit(code)
+
+
+def _leave_together(timeout_s: float = 30) -> None:
+    """A preemption stops every process at the same step, but they finish saving and
+    reporting at different moments. Process 0 hosts the coordination service: leaving
+    first would kill it under the others, whose clients then abort mid-report. So all
+    meet at a barrier of the store, and process 0 leaves last."""
+    peers.expect_exit(failures.PREEMPTED)  # a client abort on the way out keeps 75
+    try:
+        coordination.barrier("jaxdist/exit/preempted", timeout_s)
+    except Exception:  # a peer already gone: nothing to wait for
+        return
+    if jax.process_index() == 0:
+        time.sleep(0.5)  # the others' exits, before the service goes
 
 
 def initialize(
