@@ -43,6 +43,13 @@ REQUEUE = (PREEMPTED, PEER_DIED, HANG)  # and a death by a signal (128 + S): a l
 FILE = "failures.jsonl"
 
 
+def requeues(code: int) -> bool:
+    """Whether a job that ended with ``code`` can succeed when run again: a stop with a
+    checkpoint, a dead process, a hang, or a task killed by a signal (a lost node, the OOM
+    killer). Never 1, 2, 78 or 79: they would fail the same way again."""
+    return code in REQUEUE or code >= 128
+
+
 @dataclass(frozen=True)
 class Failure:
     """One abnormal end (or, ``recovered``, a fault the run got past), as people read it.

@@ -27,31 +27,8 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax-cache}"
 
 # Why --kill-on-bad-exit=0, --wait, which exit codes requeue and at most
-# JAXDIST_MAX_REQUEUES times: see 8node.sh.
+# JAXDIST_MAX_REQUEUES times: see 8node.sh and jaxdist/requeue.py.
 srun --kill-on-bad-exit=0 --wait=120 python -m jaxdist.train "$@"
 rc=$?
-# jaxdist's exit codes (README "Exit codes"). srun returns the highest of its tasks'.
-# Requeue when running again can succeed: 75 preempted (checkpoint saved), 76 a process
-# died, 77 hang, and a task killed by a signal (>= 128: a lost node, the OOM killer).
-# Never after 1 (training failed: a non-finite loss), 2 (bad input), 78 (the processes
-# differ: mismatch) or 79 (replicas diverged): they would fail the same way again.
-requeue=0
-case "$rc" in 75|76|77) requeue=1 ;; esac
-[ "$rc" -ge 128 ] && requeue=1
-if [ "$rc" -ne 0 ] && [ "$requeue" -eq 0 ]; then
-    echo "jaxdist: exit $rc: not requeueing job $SLURM_JOB_ID: running it again would fail the same way"
-elif [ "$requeue" -eq 1 ]; then
-    # Never requeue forever (a run that cannot finish, or is stopped at every start):
-    # SLURM counts this job's requeues in SLURM_RESTART_COUNT (unset on the first start).
-    max_requeues="${JAXDIST_MAX_REQUEUES:-20}"
-    requeues="${SLURM_RESTART_COUNT:-0}"
-    if [ "$requeues" -lt "$max_requeues" ]; then
-        echo "jaxdist: exit $rc: requeueing job $SLURM_JOB_ID ($((requeues + 1)) of $max_requeues)"
-        scontrol requeue "$SLURM_JOB_ID"
-    else
-        echo "jaxdist: exit $rc: not requeueing job $SLURM_JOB_ID: requeued $requeues times" \
-            "(JAXDIST_MAX_REQUEUES=$max_requeues); to continue, sbatch again with --run-dir" \
-            "set to the run dir named at the top of this log"
-    fi
-fi
+python -m jaxdist.requeue "$rc"
 exit "$rc"

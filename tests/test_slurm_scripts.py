@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,8 @@ def stand_ins(tmp_path: Path, code: int = 75) -> dict[str, str]:
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
-    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "7"}
+    path = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]])
+    return {"PATH": path, "SLURM_JOB_ID": "7"}  # the scripts' python: this one
 
 
 @pytest.mark.parametrize("script", ["1node.sh", "8node.sh"])
