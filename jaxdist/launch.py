@@ -17,8 +17,9 @@ import signal
 import sys
 import time
 
-from jaxdist.procgroup import Output, free_port
+from jaxdist.procgroup import free_port
 from jaxdist.procgroup import run as run_group
+from jaxdist.rank_output import Output
 
 __all__ = ["free_port", "main", "run"]
 

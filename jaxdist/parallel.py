@@ -252,7 +252,9 @@ class Parallel:
         if replicas is not None and not pipelined and self._source.has_stack:
             options = dataclasses.replace(options, stack_runner=replicas.layer_runner)
         if pipelined:
-            self._check_pipeline_rows(batch)
+            rows = jax.tree.leaves(batch)[0].shape[0]
+            batch_shards = axis_size(self.mesh, BATCH_AXES)
+            self.pipeline.check_rows(rows, batch_shards, self._options.grad_accum)
             runner = functools.partial(
                 pipeline.gpipe, mesh=self.mesh, microbatches=self.pipeline.microbatches
             )
@@ -274,19 +276,6 @@ class Parallel:
         abstract_state = strategies.abstract(self._source.abstract_state, self.state_sharding)
         abstract_batch = strategies.abstract(batch, NamedSharding(self.mesh, batch_spec(self.mesh)))
         return strategies.StepProgram(step, abstract_state, abstract_batch), evaluate
-
-    def _check_pipeline_rows(self, batch) -> None:
-        """Each device's rows of a loss call split into the pipeline's microbatches."""
-        rows = jax.tree.leaves(batch)[0].shape[0]
-        per_device = rows // (axis_size(self.mesh, BATCH_AXES) * self._options.grad_accum)
-        m = self.pipeline.microbatches
-        if per_device % m:
-            raise ConfigError(
-                f"pipeline: {per_device} rows per device per step (global batch {rows} / "
-                f"{axis_size(self.mesh, BATCH_AXES)} batch shards / grad-accum "
-                f"{self._options.grad_accum}) do not split into {m} microbatches; use "
-                "--microbatches dividing it, or a larger batch"
-            )
 
     def _example_rows(self, batch):
         """Abstract rows as one loss call sees them: per device (pmap, shard_map) and per

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from jaxdist import coordination, failures, process
+from jaxdist import coordination, exits, failures
 
 EXIT_PREEMPTED = failures.PREEMPTED  # 75, EX_TEMPFAIL: slurm/*.sh requeue on it
 STOP_KEY = "jaxdist/stop_after_step"
@@ -41,8 +41,8 @@ class StopFlag:
         self._longest_gap_s = 0.0  # the longest time between two such calls
         self._paused = 0  # inside `busy()`: evaluating or saving, not stepping
         signal.signal(signal.SIGUSR1, self._set)
-        if process.sigterm_watched():  # in a group: the watcher thread calls us first
-            process.stop_on_sigterm(self._group_sigterm)
+        if exits.sigterm_watched():  # in a group: the watcher thread calls us first
+            exits.stop_on_sigterm(self._group_sigterm)
         else:
             signal.signal(signal.SIGTERM, self._sigterm)
 
@@ -51,7 +51,7 @@ class StopFlag:
 
     def _sigterm(self, signum, frame) -> None:
         if self.signal_name == "SIGTERM":  # the second one: do as asked, now
-            os._exit(process.EXIT_TERMINATED)
+            os._exit(exits.EXIT_TERMINATED)
         self._set(signum, frame)
 
     def _group_sigterm(self) -> None:
@@ -75,7 +75,7 @@ class StopFlag:
                     file=sys.stderr,
                     flush=True,
                 )
-                os._exit(process.EXIT_TERMINATED)
+                os._exit(exits.EXIT_TERMINATED)
 
     @contextlib.contextmanager
     def busy(self):

@@ -1,9 +1,7 @@
 """N local processes of one command, started, watched and ended as one group: the one
 implementation behind ``python -m jaxdist.launch`` and ``jaxdist.spawn``.
 
-* Output is forwarded as bytes, each line prefixed ``[rank R] ``. Nothing is decoded, so
-  no byte can stop the forwarding (a reader that stopped would let the pipe fill and
-  block its rank for ever).
+* Output is forwarded as bytes, each line prefixed ``[rank R] `` (``jaxdist.rank_output``).
 * A thread per process waits for it, so exits are seen in the order they happen: the
   first rank to fail, by time, is the one reported.
 * Ending the group: SIGTERM to every rank's process group, SIGKILL after ``grace`` s.
@@ -33,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxdist import failures, orphans
+from jaxdist.exits import EXIT_TERMINATED
 from jaxdist.preempt import EXIT_PREEMPTED
-from jaxdist.process import EXIT_TERMINATED
+from jaxdist.rank_output import Output, forward
 
 KILL_WAIT_S = 5.0  # after SIGKILL: time for the kernel to tear the processes down
 
@@ -108,43 +107,6 @@ class Exit:
         return text
 
 
-class Output:
-    """Bytes to a text stream (default ``sys.stdout``), a whole line at a time. Never
-    raises: a forwarding thread that died would leave its rank blocked on a full pipe."""
-
-    def __init__(self, name: str, stream=None):
-        self.name = name  # our own lines: "[launch] ..." or "[spawn] ..."
-        self.stream = sys.stdout if stream is None else stream
-        self.lock = threading.Lock()
-
-    def write(self, data: bytes) -> None:
-        with self.lock, contextlib.suppress(Exception):
-            buffer = getattr(self.stream, "buffer", None)
-            if buffer is None:  # a text-only stream, e.g. a notebook's
-                self.stream.write(data.decode(errors="replace"))
-            else:
-                self.stream.flush()  # text written before goes first
-                buffer.write(data)
-                buffer.flush()
-            self.stream.flush()
-
-    def say(self, text: str) -> None:
-        self.write(f"[{self.name}] {text}\n".encode())
-
-
-def _forward(rank: int, pipe, out: Output) -> None:
-    prefix = f"[rank {rank}] ".encode()
-    line_start = True
-    with pipe:
-        for chunk in iter(lambda: pipe.readline(1 << 16), b""):
-            if line_start and not chunk.startswith(b"[rank"):  # jaxdist.train prefixes its own
-                chunk = prefix + chunk
-            line_start = chunk.endswith(b"\n")
-            out.write(chunk)
-    if not line_start:
-        out.write(b"\n")
-
-
 class Group:
     """``nproc`` processes of ``command``, rank r with ``rank_env(r, ...)``."""
 
@@ -182,7 +144,7 @@ class Group:
         )
         self.procs.append(proc)
         self._tell_guard(f"add {proc.pid}")
-        for target, args in ((_forward, (rank, proc.stdout, self.out)), (self._reap, (rank, proc))):
+        for target, args in ((forward, (rank, proc.stdout, self.out)), (self._reap, (rank, proc))):
             thread = threading.Thread(target=target, args=args, daemon=True)
             thread.start()
             self.threads.append(thread)

@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 
 from jaxdist import procgroup
+from jaxdist.rank_output import Output
 
 # Run by each process: the caller's sys.path first, so that fn's module imports there too.
 BOOTSTRAP = """import json, os, sys
@@ -81,7 +82,7 @@ def spawn(
             first = procgroup.run(
                 [sys.executable, "-c", BOOTSTRAP, work],
                 nprocs,
-                procgroup.Output("spawn"),
+                Output("spawn"),
                 grace=grace,
                 timeout=timeout,
                 cpu_devices_per_proc=cpu_devices_per_proc,

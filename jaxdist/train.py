@@ -19,6 +19,7 @@ from jaxdist import data as data_lib
 from jaxdist import outcome, peers, resume, rundir, strategies
 from jaxdist.agreement import MismatchError
 from jaxdist.config import Config, ConfigError
+from jaxdist.exits import exit_now
 from jaxdist.factories import import_object
 from jaxdist.layout import load_rules
 from jaxdist.loop import Run, finish, loop
@@ -26,7 +27,6 @@ from jaxdist.losses import default_eval, default_loss
 from jaxdist.models import model_factory, model_task
 from jaxdist.optim import effective_lr, make_optimizer, make_schedule
 from jaxdist.preempt import Preempted, StopFlag
-from jaxdist.process import exit_now
 from jaxdist.replica_check import ReplicaDivergenceError
 from jaxdist.run_health import RunHealth
 from jaxdist.run_sinks import announce, make_sinks

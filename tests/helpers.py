@@ -6,7 +6,9 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
+from flax import nnx
 
 from jaxdist.config import from_dict
 
@@ -86,3 +88,15 @@ def alive(pid: int) -> bool:
     # A zombie is dead for our purposes: it runs nothing and holds no port.
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().split(") ")[1][0] != "Z"
+
+
+def named_leaves(tree) -> dict[str, object]:
+    """An nnx.State or a nested dict -> {"a/b/c": leaf}."""
+    pure = nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
+    leaves = jax.tree_util.tree_leaves_with_path(pure)
+    return {"/".join(str(getattr(k, "key", k)) for k in path): v for path, v in leaves}
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    """An nnx.State or a nested dict -> {"a/b/c": float64 numpy}."""
+    return {k: np.asarray(v, np.float64) for k, v in named_leaves(tree).items()}

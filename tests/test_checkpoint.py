@@ -1,10 +1,10 @@
 """Checkpoints in the trainer: a run resumed from the checkpoint of step 12 ends with the
 params of an uninterrupted run of 20 steps, bit for bit (every strategy, grad-accum,
 BatchNorm and dropout); onto fewer devices and another layout it continues the same
-losses; damaged and foreign checkpoints are named; an earlier run is never replaced
-silently, but a restart of the same run before its first checkpoint trains afresh;
-``--keep`` and ``--lr-scaling`` hold across a resume. The reference is the
-uninterrupted run's own files (params, metrics.jsonl).
+losses; damaged and foreign checkpoints are named; ``--keep`` and ``--lr-scaling`` hold
+across a resume. The reference is the uninterrupted run's own files (params,
+metrics.jsonl; tests/finished_runs.py). The run directory's guards:
+tests/test_checkpoint_rundir.py.
 
 Interrupting by deleting the checkpoints after step 12 gives the resumed run exactly
 what a run killed after saving step 12 leaves; real signals and kills are in
@@ -15,76 +15,29 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import relative_error, small_config
-from jaxdist.config import ConfigError, from_dict, to_dict
-from jaxdist.loop import Run
+from finished_runs import (
+    EVERY,
+    STEPS,
+    STOP,
+    config,
+    final_params,
+    finished_runs,
+    interrupt_after,
+    metrics,
+)
+from helpers import relative_error
+from jaxdist.config import ConfigError
 from jaxdist.train import train
-
-STEPS, EVERY, STOP = 20, 4, 12
-FIRST = "first-run"  # the run id of the module's uninterrupted runs (jaxdist.launch's)
-
-
-def config(run_dir: Path, model=None, *, data=None, optim=None, **train_flags):
-    flags = {"steps": STEPS, "checkpoint_every": EVERY, "keep": 10, **train_flags}
-    base = to_dict(small_config(**flags))
-    base["train"].update(run_dir=str(run_dir), compile_cache="off")
-    for section, values in (("model", model), ("data", data), ("optim", optim)):
-        base[section].update(values or {})
-    return from_dict(base)
-
-
-def final_params(run) -> dict[str, np.ndarray]:
-    return run.dp.host_params(run.state)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def interrupt_after(run_dir: Path, step: int) -> None:
-    """What a run stopped after saving ``step`` leaves: no later checkpoint."""
-    for path in (run_dir / "checkpoints").iterdir():
-        if path.name.isdigit() and int(path.name) > step:
-            shutil.rmtree(path)
-
-
-@dataclass
-class Finished:
-    """An uninterrupted run: its final state, params and metrics.jsonl records."""
-
-    run: Run
-    run_dir: Path
-    params: dict[str, np.ndarray]
-    metrics: list[dict]
 
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    """``finished(tmp_path, model, data=..., **train_flags)``: the uninterrupted run of
-    ``config(...)`` (trained at its first use in the module, with run id FIRST) and a
-    copy of its run directory in ``tmp_path / "run"`` for the test to change."""
-    done: dict[str, Finished] = {}
-
-    def copy(tmp_path: Path, model=None, **flags) -> tuple[Finished, Path]:
-        key = json.dumps(to_dict(config(Path("run"), model, **flags)), sort_keys=True)
-        if key not in done:
-            run_dir = tmp_path_factory.mktemp("finished") / "run"
-            with pytest.MonkeyPatch.context() as env:
-                env.setenv("JAXDIST_RUN_ID", FIRST)
-                env.delenv("SLURM_JOB_ID", raising=False)
-                run = train(config(run_dir, model, **flags), quiet=True)
-            done[key] = Finished(run, run_dir, final_params(run), metrics(run_dir))
-        shutil.copytree(done[key].run_dir, tmp_path / "run")
-        return done[key], tmp_path / "run"
-
-    return copy
+    return finished_runs(tmp_path_factory)
 
 
 BN_DROPOUT = {"name": "ckpt_models:BatchNormDropoutMLP"}
@@ -223,58 +176,6 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(tmp_path,
     text = str(err.value)
     assert f"checkpoint {STEPS} in" in text and "holds a different model" in text, text
     assert "params/head/kernel is (24, 5) float32 there and (32, 5) float32 in this one" in text
-
-
-def run_as(monkeypatch, launcher_id: str | None) -> None:
-    """The run ids this process's runs get: ``jaxdist.launch``'s, or none."""
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    if launcher_id is None:
-        monkeypatch.delenv("JAXDIST_RUN_ID", raising=False)
-    else:
-        monkeypatch.setenv("JAXDIST_RUN_ID", launcher_id)
-
-
-def test_an_earlier_run_is_never_replaced_silently(tmp_path, finished, monkeypatch):
-    _, run_dir = finished(tmp_path)
-    run_as(monkeypatch, None)
-    with pytest.raises(
-        ConfigError, match="has checkpoints .newest: step 20. and --resume is never"
-    ):
-        train(config(run_dir, resume="never"), quiet=True)
-    shutil.rmtree(run_dir / "checkpoints")  # an earlier run with nothing to resume from
-    before = (run_dir / "metrics.jsonl").read_text()
-    for other in (None, "another-run"):  # no run id, or another run's
-        run_as(monkeypatch, other)
-        with pytest.raises(ConfigError, match="holds an earlier run .metrics.jsonl, config.yaml."):
-            train(config(run_dir), quiet=True)
-    assert (run_dir / "metrics.jsonl").read_text() == before  # untouched
-    fresh = train(config(run_dir, overwrite=True), quiet=True)
-    assert fresh.begin.step == 0
-    assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
-
-
-def test_a_restart_of_the_same_run_before_its_first_checkpoint_trains_afresh(
-    tmp_path, finished, monkeypatch, capsys
-):
-    """The launcher's restart or a requeued job (the same run id) after a crash before
-    the first checkpoint: not refused, trained again from step 0 in the same directory."""
-    full, run_dir = finished(tmp_path)
-    shutil.rmtree(run_dir / "checkpoints")  # what an attempt that saved nothing leaves
-    run_as(monkeypatch, FIRST)
-    capsys.readouterr()
-    again = train(config(run_dir), quiet=True)
-    out = capsys.readouterr().out
-    assert again.begin.step == 0
-    assert (
-        f"note: restarting run {FIRST} in {run_dir} from step 0: an earlier attempt reached "
-        f"step {STEPS} and saved no checkpoint"
-    ) in out, out
-    assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))  # replaced
-    goodput = json.loads((run_dir / "goodput.json").read_text())  # both attempts counted
-    assert len(goodput["attempts"]) == 2 and goodput["recomputed_s"] > 0, goodput
-    got = final_params(again)
-    for name in full.params:
-        np.testing.assert_array_equal(got[name], full.params[name], err_msg=name)
 
 
 def test_keep_leaves_only_the_newest_checkpoints(tmp_path, finished):

@@ -106,7 +106,7 @@ TRAIN_AND_RECORD_PID = (
     RECORD_PID
     + """
 from jaxdist.train import main
-from jaxdist.process import exit_now
+from jaxdist.exits import exit_now
 exit_now(main(sys.argv[2:]))
 """
 )

@@ -22,7 +22,7 @@ from flax import nnx
 import jaxdist
 import test_layouts as layouts
 from helpers import relative_error
-from jaxdist.errors import ModelError
+from jaxdist.errors import ConfigError, ModelError
 from jaxdist.models.gpt import GPT
 from jaxdist.strategies.pipeline import bubble_fraction
 from test_layouts import SEQ, VOCAB, loss_fn
@@ -149,3 +149,13 @@ def test_fsdp_over_a_stack_equals_data_parallel(data_parallel):
     their gradients there): the same numbers as data parallelism, with grad-accum too."""
     assert_same(train_on(dict(data=1, fsdp=8))[:2], data_parallel)
     assert_same(train_on(dict(data=2, fsdp=4), grad_accum=2)[:2], data_parallel)
+
+
+def test_rows_that_do_not_split_into_microbatches_are_an_error():
+    """32 rows / 4 batch shards = 8 rows per device: 3 microbatches cannot take them."""
+    dp = jaxdist.DataParallel(
+        stacked, optax.sgd(0.1), loss_fn, mesh=jaxdist.make_mesh(data=4, stage=2), microbatches=3
+    )
+    tokens = jax.ShapeDtypeStruct((G, SEQ + 1), np.int32)
+    with pytest.raises(ConfigError, match="8 rows per device per step .* into 3 microbatches"):
+        dp.program({"tokens": tokens})

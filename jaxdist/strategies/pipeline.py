@@ -22,7 +22,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.errors import ModelError
+from jaxdist.errors import ConfigError, ModelError
 from jaxdist.models.stack import scan_layers
 from jaxdist.step import split_microbatches
 
@@ -107,6 +107,17 @@ class Pipeline:
             f"bubble (S-1)/(M+S-1) = {self.stages - 1}/{self.microbatches + self.stages - 1} "
             f"= {bubble:.1%}"
         )
+
+    def check_rows(self, global_rows: int, batch_shards: int, grad_accum: int) -> None:
+        """Each device's rows of a loss call split into the microbatches."""
+        per_device = global_rows // (batch_shards * grad_accum)
+        if per_device % self.microbatches:
+            raise ConfigError(
+                f"pipeline: {per_device} rows per device per step (global batch {global_rows} "
+                f"/ {batch_shards} batch shards / grad-accum {grad_accum}) do not split into "
+                f"{self.microbatches} microbatches; use --microbatches dividing it, or a "
+                "larger batch"
+            )
 
 
 def plan(mesh: Mesh, has_stack: bool, stacked: list[str], microbatches: int) -> Pipeline | None:
