@@ -53,20 +53,21 @@ def mesh_devices(sizes: dict[str, int], devices) -> np.ndarray:
     devices = sorted(devices, key=lambda d: d.process_index)  # stable: keeps jax's order
     shape = _resolve(sizes, len(devices), devices[0].platform)
     split = split_over_processes(shape, devices)
-    if split is not None:
+    if split is not None:  # in PLACEMENT order, as the hand placement below
         inside, across = split
-        return mesh_utils.create_hybrid_device_mesh(
+        placed = mesh_utils.create_hybrid_device_mesh(
             inside, across, devices, process_is_granule=True
         )
-    placed = np.array(devices, dtype=object).reshape([shape[AXES.index(a)] for a in PLACEMENT])
+    else:
+        placed = np.array(devices, dtype=object).reshape([shape[AXES.index(a)] for a in PLACEMENT])
     return placed.transpose([PLACEMENT.index(a) for a in AXES])
 
 
 def split_over_processes(shape, devices) -> tuple[list[int], list[int]] | None:
-    """Each axis's size as (inside a process) x (across processes), in ``AXES`` order:
-    innermost first, an axis takes all of itself if it fits in the devices a process has
-    left, else all that is left if that divides it. None with one process, processes of
-    unequal size, or sizes that do not nest so."""
+    """Each axis's size as (inside a process) x (across processes), in ``PLACEMENT``
+    order: innermost first, an axis takes all of itself if it fits in the devices a
+    process has left, else all that is left if that divides it. None with one process,
+    processes of unequal size, or sizes that do not nest so."""
     counts = collections.Counter(d.process_index for d in devices)
     if len(counts) == 1 or len(set(counts.values())) > 1:
         return None
@@ -80,8 +81,8 @@ def split_over_processes(shape, devices) -> tuple[list[int], list[int]] | None:
         else:
             return None
         room //= inside[axis]
-    inner = [inside[a] for a in AXES]
-    return inner, [s // i for s, i in zip(shape, inner, strict=True)]
+    inner = [inside[a] for a in PLACEMENT]
+    return inner, [shape[AXES.index(a)] // inside[a] for a in PLACEMENT]
 
 
 def _resolve(sizes: dict[str, int], count: int, platform: str) -> list[int]:

@@ -55,10 +55,14 @@ def test_inner_axes_stay_inside_a_process_and_data_spans_processes(processes, pe
         assert sorted(d.id for d in array.flat) == list(range(len(every))), sizes
         inside = 1
         for axis in ("model", "stage", "fsdp"):  # each fits if it nests in what is left
-            inside *= sizes[axis]
+            stride, inside = inside, inside * sizes[axis]
             if per_process % inside == 0:
                 for group in groups(array, axis):
                     assert len(processes_of(group)) == 1, (sizes, axis, processes_of(group))
+                    # model innermost, then stage, then fsdp: an axis's neighbours are
+                    # the product of the sizes inside it apart (model=2, stage=2: 2 apart)
+                    steps = set(np.diff([d.id for d in group]).tolist())
+                    assert steps <= {stride}, (sizes, axis, steps)
         # Raises if a process's batch rows are not one contiguous block.
         ranks = [data_parallel_rank(fake_mesh(array), p) for p in range(processes)]
         if per_process % inside == 0:  # a whole model replica per process: data across
