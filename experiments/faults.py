@@ -24,7 +24,6 @@ Expected:  on: every fault detected within the 5 s deadline plus a few seconds (
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import socket
@@ -34,6 +33,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from jaxdist.procgroup import free_port
+from jaxdist.rundir import checkpoint_steps
+from jaxdist.sinks.goodput import earlier_last_step
 
 FAULTS = {
     "stuck data read (process 1)": {"fault": "stall-data@1:8"},
@@ -58,12 +61,6 @@ class Outcome:
     steps_lost: int | None
     left: int
     codes: list
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(name: str, spec: dict, health: bool, timeout: float, work: Path) -> Outcome:
@@ -126,13 +123,9 @@ def _message(texts: list[str], first: int) -> str:
     return lines[-1][:200] if lines else ""
 
 
-def _steps_lost(run_dir: Path) -> int | None:
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.exists():
-        return 0  # stopped before the first step
-    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if x.strip()]
-    saved = [int(p.name) for p in (run_dir / "checkpoints").glob("*") if p.name.isdigit()]
-    return max(steps) - max(saved, default=0)
+def _steps_lost(run_dir: Path) -> int:
+    """Steps trained after the newest checkpoint (0: stopped before the first step)."""
+    return earlier_last_step(run_dir) - max(checkpoint_steps(run_dir), default=0)
 
 
 def table(results: dict) -> str:

@@ -25,16 +25,19 @@ import argparse
 import statistics
 import time
 
-import jax
 
-
-def config_for(model: str, strategy: str, steps: int, health: bool, every: int):
+def config_for(model: str, strategy: str, args, health: bool, every: int):
     from jaxdist.config import from_dict
 
     return from_dict(
         {
             "model": {"name": model},
-            "train": {"strategy": strategy, "steps": steps, "log_every": 1},
+            "train": {
+                "strategy": strategy,
+                "steps": args.steps,
+                "log_every": 1,
+                "cpu_devices": args.cpu_devices,  # the trainer's initialize sets them up
+            },
             "dist": {"health": health, "check_replicas_every": every},
         }
     )
@@ -64,8 +67,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--every", type=int, default=100)
     args = parser.parse_args()
-    if args.cpu_devices:
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     from jaxdist.train import train
 
     print("model strategy | step ms: health on, off | one replica check ms, share of a step")
@@ -73,10 +74,10 @@ def main() -> None:
         for strategy in ("gspmd", "pmap"):
             on, off = [], []
             for _ in range(args.repeats):  # alternating: drift in the machine's load evens out
-                on_run = train(config_for(model, strategy, args.steps, True, args.every),
+                on_run = train(config_for(model, strategy, args, True, args.every),
                                write=False, quiet=True)  # fmt: skip
                 on.append(step_ms(on_run))
-                off_run = train(config_for(model, strategy, args.steps, False, 0),
+                off_run = train(config_for(model, strategy, args, False, 0),
                                 write=False, quiet=True)  # fmt: skip
                 off.append(step_ms(off_run))
             check = check_ms(on_run)

@@ -17,9 +17,7 @@ The public API (PyTorch names in brackets)::
     jaxdist.flops.xla_step_flops(dp.program(batch), mesh.size)  # FLOPs per step, for MFU
 """
 
-import importlib
-
-from jaxdist import sinks
+from jaxdist import flops, sinks
 from jaxdist.adapt import as_nnx
 from jaxdist.errors import JaxdistError, ModelError
 from jaxdist.health import BadBatchError, NonFiniteError
@@ -32,17 +30,6 @@ from jaxdist.spawn import SpawnError, spawn
 from jaxdist.step import TrainState
 
 __version__ = "0.1.0"
-
-# Public submodules that training does not need: imported on first use, so that
-# `import jaxdist` stays as fast as it was and `jaxdist.flops.peak_flops(...)` still works.
-LAZY_SUBMODULES = ("flops",)
-
-
-def __getattr__(name: str):
-    if name in LAZY_SUBMODULES:
-        return importlib.import_module(f"jaxdist.{name}")
-    raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")
-
 
 __all__ = [
     "BadBatchError",

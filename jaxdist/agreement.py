@@ -94,17 +94,21 @@ def agree(
     records = {
         i: json.loads(coordination.wait_get(f"{PREFIX}{name}/{i}", timeout_s)) for i in range(count)
     }
-    message = _first_difference(records)
-    if message and message[0] == "program":
-        message = (message[0], _explain_program(name, records, program_text, timeout_s, save_dir))
+    found = _first_difference(records)
+    if found and found[0] == "program":
+        field, _, other = found
+        message = _explain_program(name, records, other, program_text, timeout_s, save_dir)
+        found = (field, message, other)
     coordination.barrier(f"{PREFIX}{name}/compared", timeout_s)
-    if message:
-        err = MismatchError(message[1])
-        err.process = next(i for i in sorted(records) if records[i] != records[0])
+    if found:
+        err = MismatchError(found[1])
+        err.process = found[2]  # the first process that differs in that field
         raise err
 
 
-def _first_difference(records: dict[int, dict]) -> tuple[str, str] | None:
+def _first_difference(records: dict[int, dict]) -> tuple[str, str, int] | None:
+    """(field, message, first process differing there) for the first field in which a
+    process differs from process 0, or None."""
     reference = records[0]
     for field in reference | records[max(records)]:
         differ = [i for i in sorted(records) if records[i].get(field) != reference.get(field)]
@@ -113,18 +117,21 @@ def _first_difference(records: dict[int, dict]) -> tuple[str, str] | None:
                 f"{records[i].get(field, '(missing)')} on process {i}" for i in differ[:3]
             )
             more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
-            return field, (
-                f"the processes differ in {field}: {reference.get(field, '(missing)')} on "
-                f"process 0, {values}{more}; every process must run the same configuration, "
-                "versions and program"
+            return (
+                field,
+                (
+                    f"the processes differ in {field}: {reference.get(field, '(missing)')} on "
+                    f"process 0, {values}{more}; every process must run the same configuration, "
+                    "versions and program"
+                ),
+                differ[0],
             )
     return None
 
 
-def _explain_program(name, records, text, timeout_s, save_dir) -> str:
+def _explain_program(name, records, other, text, timeout_s, save_dir) -> str:
     """Both hashes and the first differing line of process 0's lowered step and of the
-    first process whose step differs; both texts saved under ``save_dir``."""
-    other = next(i for i in sorted(records) if records[i]["program"] != records[0]["program"])
+    first process whose step differs (``other``); both texts saved under ``save_dir``."""
     index = jax.process_index()
     if index in (0, other):
         _publish_text(f"{PREFIX}{name}/text/{index}", text)

@@ -20,8 +20,6 @@ import jax
 
 from jaxdist import coordination, failures, peers
 
-EXIT_TERMINATED = failures.TERMINATED  # 143, as a shell reports a death by SIGTERM
-
 
 def exit_on_sigterm() -> None:
     """SIGTERM exits at once with 143. jax.distributed.initialize hands SIGTERM to JAX's
@@ -63,7 +61,7 @@ class _SigtermStop:
     def received(self) -> None:
         self.count += 1
         if self.callback is None or self.count > 1:
-            _terminate()
+            peers.exit_now(failures.TERMINATED)  # 143, as a shell reports SIGTERM
         self.callback()
 
 
@@ -86,22 +84,6 @@ def _ignore_in_main_thread(signum, frame) -> None:
     pass
 
 
-def _terminate(signum=None, frame=None) -> None:
-    # Flushed from another thread, with a time limit: the interrupted main thread may hold
-    # a stream's lock (or be blocked writing to a full pipe).
-    peers.expect_exit(EXIT_TERMINATED)
-    flusher = threading.Thread(target=_flush, daemon=True)
-    flusher.start()
-    flusher.join(timeout=1)
-    os._exit(EXIT_TERMINATED)
-
-
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-
-
 def exit_fast_on_uncaught_error(process_id: int) -> None:
     """An uncaught exception prints with a ``[rank N]`` prefix and exits at once with 1.
     A normal interpreter exit would wait in JAX's shutdown barrier for the other
@@ -122,12 +104,12 @@ def exit_fast_on_uncaught_error(process_id: int) -> None:
 def exit_now(code: int) -> None:
     """Ends the process with ``code``. With several processes and a non-zero code, skips
     JAX's shutdown barrier (it would wait for peers that are still training)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
     if code and jax.distributed.is_initialized() and jax.process_count() > 1:
         if code == failures.PREEMPTED:
             _leave_together()
         peers.exit_now(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
     peers.expect_exit(code)  # JAX's client aborting during a normal shutdown keeps it
     sys.exit(code)
 

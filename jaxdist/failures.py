@@ -104,6 +104,18 @@ def hostname() -> str:
     return socket.gethostname()
 
 
+def process_state(pid: int) -> str | None:
+    """Linux's state letter of process ``pid`` (R, S, T stopped, Z zombie, ...): None
+    when it does not exist, "?" where there is no ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1][:1]
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return "?"
+
+
 LAUNCHER_DIR = "JAXDIST_FAILURE_DIR"  # set by python -m jaxdist.launch for its ranks
 
 

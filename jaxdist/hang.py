@@ -19,7 +19,7 @@ import traceback
 from pathlib import Path
 
 from jaxdist import coordination, failures, peers
-from jaxdist.watchdog import Watchdog
+from jaxdist.watchdog import Watchdog, where
 
 STACKS = "jaxdist/health/stacks/"
 REPORTED = "jaxdist/health/reported"
@@ -121,7 +121,7 @@ def name_culprit(records: dict[int, dict], stacks: dict[int, dict], silent: dict
     for index in sorted(silent):
         r = records.get(index, {})
         return index, (
-            f"process {index} ({_where(r)}) stopped reporting {silent[index]:.1f}s ago, in "
+            f"process {index} ({where(r)}) stopped reporting {silent[index]:.1f}s ago, in "
             f"phase {r.get('phase', '?')} of step {r.get('step', '?')}: it is frozen (e.g. "
             "SIGSTOP) or its host is gone"
         )
@@ -135,24 +135,20 @@ def name_culprit(records: dict[int, dict], stacks: dict[int, dict], silent: dict
         r = live[i]
         others = "; the others wait for it" if len(live) > 1 else ""
         return i, (
-            f"process {i} ({_where(r)}) is stuck in phase {r['phase']} of step {r['step']} "
+            f"process {i} ({where(r)}) is stuck in phase {r['phase']} of step {r['step']} "
             f"({r['in_phase_s']:.1f}s){others}" + _user_code_note(stacks.get(i))
         )
     in_user = [i for i in sorted(stacks) if stacks[i]["user_frames"] and i in live]
     if in_user and len(in_user) < len(live):
         i = in_user[0]
         return i, (
-            f"process {i} ({_where(live[i])}) is in step {live[i]['step']} with a thread in "
+            f"process {i} ({where(live[i])}) is in step {live[i]['step']} with a thread in "
             "user code" + _user_code_note(stacks[i])
         )
     return min(live), (
         f"no single process stands out: all are in step {behind + 1} or wait for it; see "
         "every process's stacks"
     )
-
-
-def _where(record: dict) -> str:
-    return f"host {record.get('host', '?')}, pid {record.get('pid', '?')}"
 
 
 def _user_code_note(stack: dict | None) -> str:

@@ -54,7 +54,6 @@ class Run:
     elapsed_s: float = 0.0  # the whole loop
     flops: StepFlops | None = None  # FLOPs per step and peak, known after the first step
     saves: int = 0  # checkpoints started
-    replica_checks: int = 0
     evaluations: int = 0
 
 
@@ -102,12 +101,12 @@ def loop(run: Run, sinks: Sinks) -> int | None:
             sinks.emit(StepMetrics(step, values, *timing))
             t_last, steps_since, waited_s = time.perf_counter(), 0, 0.0
         saving = last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
-        checked_s = 0.0  # replica checks: step time, or the checkpoint's when before a save
-        if saving or (run.health.every and step % run.health.every == 0):
-            if pending is not None:  # a checkpoint holds checked steps only
-                check(run, *pending)
-                pending = None
-            checked_s = check_replicas(run, state, step, saving=saving)
+        compare = run.health.wants_check(step, saving=saving)
+        if (saving or compare) and pending is not None:  # a checkpoint holds checked steps only
+            check(run, *pending)
+            pending = None
+        # Replica checks: step time, or the checkpoint's when before a save.
+        checked_s = check_replicas(run, state, step) if compare else 0.0
         if saving:  # not step time; the last: on disk
             t_last += save(run, state, step, sinks, wait=last, checked_s=checked_s)
         if stopping:
@@ -148,13 +147,12 @@ def check(run: Run, step: int, metrics) -> None:
     run.health.watch.completed(step)
 
 
-def check_replicas(run: Run, state, step: int, *, saving: bool) -> float:
+def check_replicas(run: Run, state, step: int) -> float:
     """The replica fingerprints (``--check-replicas-every``, and before a checkpoint);
     returns the seconds it took (not step time). The first compiles: a slow phase."""
     started = time.perf_counter()
-    run.health.watch.phase("check", step, slow=not run.replica_checks)
-    run.health.check_replicas(run.dp, state, step, saving=saving)
-    run.replica_checks += 1
+    run.health.watch.phase("check", step, slow=run.health.first_check)
+    run.health.check_replicas(run.dp, state, step)
     return time.perf_counter() - started
 
 
@@ -216,7 +214,7 @@ def finish(run: Run, sinks, stopped_at: int | None) -> None:
     """After the loop: the last checkpoint on disk, the params saved, the summary."""
     cfg = run.config.train
     run.batches.close()
-    run.health.watch.phase("save", run.begin.step)
+    run.health.watch.phase("save", stopped_at or cfg.steps)  # the last step trained
     run.dp.wait_for_saves()  # the last checkpoint is on disk before we say done
     if cfg.save_params and stopped_at is None:
         params = run.dp.host_params(run.state)  # every process: sharded arrays are gathered

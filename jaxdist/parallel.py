@@ -17,7 +17,7 @@ from jaxdist import axes, health, layout, strategies
 from jaxdist.config import ConfigError
 from jaxdist.model_source import ModelSource
 from jaxdist.saved_state import SavedState
-from jaxdist.sharding import BATCH_AXES, axis_size, batch_spec, make_mesh
+from jaxdist.sharding import batch_shards, batch_spec, make_mesh
 from jaxdist.step import StepOptions, TrainState, make_eval_step, make_train_step
 from jaxdist.strategies import host_value, pipeline, scalars
 from jaxdist.strategies.shard_map import PerReplica
@@ -126,9 +126,11 @@ class Parallel:
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One optimizer step on a global batch from ``shard_batch``. Donates ``state``."""
         program = self.program(batch)
-        if self._on_new_shapes is not None and _shapes(batch) not in self._batch_shapes:
-            self._batch_shapes.add(_shapes(batch))
-            self._on_new_shapes(program, batch)
+        if self._on_new_shapes is not None:
+            shapes = _shapes(batch)
+            if shapes not in self._batch_shapes:
+                self._batch_shapes.add(shapes)
+                self._on_new_shapes(program, batch)
         return program(state, batch)
 
     def on_new_batch_shapes(self, callback: Callable, *, known=None) -> None:
@@ -253,8 +255,7 @@ class Parallel:
             options = dataclasses.replace(options, stack_runner=replicas.layer_runner)
         if pipelined:
             rows = jax.tree.leaves(batch)[0].shape[0]
-            batch_shards = axis_size(self.mesh, BATCH_AXES)
-            self.pipeline.check_rows(rows, batch_shards, self._options.grad_accum)
+            self.pipeline.check_rows(rows, batch_shards(self.mesh), self._options.grad_accum)
             runner = functools.partial(
                 pipeline.gpipe, mesh=self.mesh, microbatches=self.pipeline.microbatches
             )
@@ -280,7 +281,7 @@ class Parallel:
     def _example_rows(self, batch):
         """Abstract rows as one loss call sees them: per device (pmap, shard_map) and per
         microbatch, e.g. global (64, T) on 8 devices with grad-accum 2 -> (4, T)."""
-        per_call = axis_size(self.mesh, BATCH_AXES) if self.strategy != "gspmd" else 1
+        per_call = batch_shards(self.mesh) if self.strategy != "gspmd" else 1
         per_call *= self._options.grad_accum
         if isinstance(batch, dict):
             batch = {k: v for k, v in batch.items() if k != "mask"}

@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -48,12 +49,23 @@ _STATE = _State()
 
 def exit_now(code: int) -> None:
     """Flushes and ends the process with ``code`` at once (no shutdown barrier, no
-    atexit); a SIGABRT from JAX's client while on the way out keeps ``code``."""
+    atexit); a SIGABRT from JAX's client while on the way out keeps ``code``.
+
+    Flushed from another thread, for at most a second: the caller may be a signal
+    handler or the watchdog's thread while the main thread holds a stream's lock (or is
+    blocked writing to a full pipe)."""
     _STATE.exiting = code
+    with contextlib.suppress(Exception):
+        flusher = threading.Thread(target=_flush, daemon=True)
+        flusher.start()
+        flusher.join(timeout=1)
+    os._exit(code)
+
+
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(code)
 
 
 def expect_exit(code: int, last_word: str = "") -> None:
@@ -155,11 +167,12 @@ def name_dead(wait_s: float) -> tuple[int | None, str]:
     watchdog = _STATE.watch
     if watchdog is None:
         return None, ""
-    before = {i: p.beat for i, p in watchdog.peers.items()}
     deadline = time.monotonic() + wait_s
     while True:
         stale = {
-            i: s for i in before if (s := _silent_s(i)) is not None and s > watchdog.poll_s * 2.5
+            i: s
+            for i in list(watchdog.peers)
+            if (s := _silent_s(i)) is not None and s > watchdog.poll_s * 2.5
         }
         stopped = [i for i in stale if watchdog.peers[i].record.get("phase") != "done"]
         if stopped:

@@ -26,7 +26,6 @@ import time
 
 from jaxdist import coordination, exits, failures
 
-EXIT_PREEMPTED = failures.PREEMPTED  # 75, EX_TEMPFAIL: slurm/*.sh requeue on it
 STOP_KEY = "jaxdist/stop_after_step"
 MARGIN_STEPS = 2
 
@@ -51,7 +50,7 @@ class StopFlag:
 
     def _sigterm(self, signum, frame) -> None:
         if self.signal_name == "SIGTERM":  # the second one: do as asked, now
-            os._exit(exits.EXIT_TERMINATED)
+            os._exit(failures.TERMINATED)
         self._set(signum, frame)
 
     def _group_sigterm(self) -> None:
@@ -75,7 +74,7 @@ class StopFlag:
                     file=sys.stderr,
                     flush=True,
                 )
-                os._exit(exits.EXIT_TERMINATED)
+                os._exit(failures.TERMINATED)
 
     @contextlib.contextmanager
     def busy(self):
@@ -120,10 +119,11 @@ def _process_index() -> int:
 class Preempted(Exception):
     """The loop stopped on a stop signal after ``step``, its checkpoint saved (exit 75)."""
 
-    def __init__(self, step: int, requested_by: str, checkpoints):
+    def __init__(self, step: int, requested_by: str, checkpoints, run_dir=None):
         self.step = step
+        self.run_dir = run_dir  # where its failure record goes (jaxdist.outcome)
         saved = f"; checkpoint saved in {checkpoints}" if checkpoints else ""
         super().__init__(
             f"stopped after step {step} on {requested_by}{saved}; "
-            f"exit {EXIT_PREEMPTED} (run the same command again to resume)"
+            f"exit {failures.PREEMPTED} (run the same command again to resume)"
         )

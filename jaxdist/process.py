@@ -18,8 +18,6 @@ from jaxdist.cluster import ClusterSpec
 from jaxdist.coordinator import claim_process_zero, service_address
 from jaxdist.errors import JaxdistError
 
-EXIT_PEER_FAILURE = failures.PEER_DIED  # the group did not form, or a peer died
-
 
 @dataclass(frozen=True)
 class ProcessInfo:
@@ -88,7 +86,7 @@ def _join(
             file=sys.stderr,
             flush=True,
         )
-        peers.exit_now(EXIT_PEER_FAILURE)
+        peers.exit_now(failures.PEER_DIED)  # the group did not form
 
     watchdog = threading.Timer(init_timeout, give_up)
     watchdog.daemon = True

@@ -31,8 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxdist import failures, orphans
-from jaxdist.exits import EXIT_TERMINATED
-from jaxdist.preempt import EXIT_PREEMPTED
 from jaxdist.rank_output import Output, forward
 
 KILL_WAIT_S = 5.0  # after SIGKILL: time for the kernel to tear the processes down
@@ -92,17 +90,17 @@ class Exit:
 
     @property
     def preempted(self) -> bool:
-        return self.returncode == EXIT_PREEMPTED
+        return self.returncode == failures.PREEMPTED
 
     def __str__(self) -> str:
         if self.returncode == 0:
             return f"rank {self.rank} finished"
         if self.preempted:
-            return f"rank {self.rank} stopped for preemption (exit {EXIT_PREEMPTED})"
+            return f"rank {self.rank} stopped for preemption (exit {failures.PREEMPTED})"
         text = f"rank {self.rank} failed with exit code {self.code}"
         if self.returncode < 0:
             return f"{text}: it was killed by {signal_name(-self.returncode)}"
-        if self.returncode == EXIT_TERMINATED:  # jaxdist.initialize's SIGTERM handler
+        if self.returncode == failures.TERMINATED:  # jaxdist.initialize's SIGTERM handler
             return f"{text}: it was ended by SIGTERM"
         return text
 
@@ -233,11 +231,7 @@ class Group:
 
 def _stopped(pid: int) -> bool:
     """Linux: the process is stopped (state T), e.g. by SIGSTOP."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(") ", 1)[1][:1] in ("T", "t")
-    except OSError:
-        return False
+    return failures.process_state(pid) in ("T", "t")
 
 
 def run(

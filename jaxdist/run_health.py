@@ -6,8 +6,6 @@ behaviour (for comparison: ``experiments/faults.py``), except the faults.
 
 from __future__ import annotations
 
-import jax
-
 import jaxdist
 from jaxdist import agreement, hang, peers
 from jaxdist.config import Config
@@ -21,15 +19,14 @@ class RunHealth:
         d = config.dist
         self.enabled = d.health
         self.every = d.check_replicas_every if d.health else 0
+        # One process has no one to agree with: nothing to lower, hash or compare.
+        self.agreeing = d.health and info.process_count > 1
+        self._dist = d
         self.faults = Faults.from_env(info.process_index)
         self.deadlines = Deadlines(
             step_s=d.step_timeout,
             slow_s=d.slow_phase_timeout,
             silent_s=max(5.0, d.heartbeat_timeout / 2),  # named before JAX's heartbeat aborts
-        )
-        self.timeouts = (
-            f"--init-timeout {d.init_timeout:g}s, --heartbeat-timeout {d.heartbeat_timeout:g}s, "
-            + self.deadlines.describe()
         )
         self.watch: Watchdog | NullWatch = NullWatch()
         if self.enabled:
@@ -39,8 +36,7 @@ class RunHealth:
             peers.watch(self.watch)
         self._replicas: ReplicaCheck | None = None
         self._rounds = 0
-        self._mesh = self._dp = None
-        self._save_dir = None
+        self._dp = self._save_dir = None
 
     def describe(self) -> str:
         if not self.enabled:
@@ -50,32 +46,35 @@ class RunHealth:
             if self.every
             else "replicas not compared"
         )
-        return f"deadlines: {self.timeouts}; {replicas}"
+        d = self._dist
+        return (
+            f"deadlines: --init-timeout {d.init_timeout:g}s, --heartbeat-timeout "
+            f"{d.heartbeat_timeout:g}s, {self.deadlines.describe()}; {replicas}"
+        )
 
     def agree_setup(self, config: Config, info: jaxdist.ProcessInfo) -> None:
         """Config, versions and counts, before any data is read."""
-        if self.enabled:
+        if self.agreeing:
             fields = agreement.setup_fields(config, info)
             agreement.agree("setup", fields, timeout_s=self.deadlines.slow_s + 10)
 
     def agree_program(self, dp: jaxdist.Parallel, batch, save_dir) -> None:
         """Mesh, layout and the lowered step for global batches shaped like ``batch``;
         again whenever the step meets batches of other shapes (it would recompile)."""
-        if not self.enabled:
+        if not self.agreeing:
             return
         self._dp, self._save_dir = dp, save_dir
         self._agree_program(dp.program(batch), batch)
         dp.on_new_batch_shapes(self._agree_program, known=batch)
 
     def _agree_program(self, program, batch) -> None:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-        if self._dp.layout.copies and jax.process_count() > 1:
+        if self._dp.layout.copies:
             # JAX's pmap reads abstract inputs as one process's part and fails to lower
             # them across processes: its program is not compared (config, versions,
             # mesh and layout still are).
             text = "pmap across processes: not lowered"
         else:
-            text = program.fn.lower(program.state, program.abstract_batch(abstract)).as_text()
+            text = program.fn.lower(program.state, program.abstract_batch(batch)).as_text()
         fields = agreement.program_fields(self._dp.mesh, self._dp.state_sharding, text)
         self._rounds += 1
         agreement.agree(
@@ -95,10 +94,18 @@ class RunHealth:
             self.watch.stop()
         peers.watch(None)
 
-    def check_replicas(self, dp: jaxdist.Parallel, state, step: int, *, saving=False) -> None:
-        """Every ``--check-replicas-every`` steps, and before a checkpoint (``saving``)."""
-        if not self.every or not (saving or step % self.every == 0):
-            return
+    def wants_check(self, step: int, *, saving: bool) -> bool:
+        """Replicas are compared every ``--check-replicas-every`` steps, and before a
+        checkpoint (``saving``); never with 0 or ``--no-health``."""
+        return bool(self.every) and (saving or step % self.every == 0)
+
+    @property
+    def first_check(self) -> bool:
+        """The next check is the first: it compiles (a slow phase)."""
+        return self._replicas is None
+
+    def check_replicas(self, dp: jaxdist.Parallel, state, step: int) -> None:
+        """Compares the replicas now (the loop asks ``wants_check`` first)."""
         if self._replicas is None:
             self._replicas = ReplicaCheck(dp)
         self._replicas.check(state.params, step)

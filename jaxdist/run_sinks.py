@@ -12,7 +12,7 @@ from jaxdist import config as config_lib
 from jaxdist import config_checks, rundir
 from jaxdist.config import Config
 from jaxdist.loop import Run
-from jaxdist.sharding import BATCH_AXES, axis_size
+from jaxdist.sharding import batch_shards
 from jaxdist.sinks import Note, Resumed, Sinks, Started
 
 
@@ -57,7 +57,7 @@ def started(config: Config, run: Run) -> Started:
 def announce(run: Run, sinks) -> None:
     """The lines that open a run: layout and batch, health's deadlines, a resume."""
     cfg, run_dir = run.config.train, run.run_dir
-    shards = axis_size(run.mesh, BATCH_AXES)
+    shards = batch_shards(run.mesh)
     sinks.emit(
         Note(
             f"jaxdist: {cfg.strategy} on {run.mesh.size} {run.info.platform} device(s) in "

@@ -138,6 +138,11 @@ def _show(sizes: dict[str, int]) -> str:
     return ",".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "data=1"
 
 
+def batch_shards(mesh: Mesh) -> int:
+    """How many blocks the global batch is split into: data x fsdp."""
+    return axis_size(mesh, BATCH_AXES)
+
+
 def axis_size(mesh: Mesh, axes) -> int:
     """The number of shards along ``axes`` (a name, a tuple of names or None)."""
     if axes is None:

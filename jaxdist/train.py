@@ -30,7 +30,7 @@ from jaxdist.preempt import Preempted, StopFlag
 from jaxdist.replica_check import ReplicaDivergenceError
 from jaxdist.run_health import RunHealth
 from jaxdist.run_sinks import announce, make_sinks
-from jaxdist.sharding import BATCH_AXES, axis_size, parse_mesh
+from jaxdist.sharding import batch_shards, parse_mesh
 from jaxdist.sinks.goodput import process_clock_start
 
 # Seen alike by every process (bad input, a bad batch, a non-finite step): each reports it.
@@ -52,11 +52,6 @@ def check_batch(global_batch_size: int, num_devices: int, grad_accum: int) -> in
             f"is not divisible by --grad-accum {grad_accum}"
         )
     return per_device
-
-
-def batch_shards(mesh) -> int:
-    """How many blocks the global batch is split into: data x fsdp."""
-    return axis_size(mesh, BATCH_AXES)
 
 
 def setup(config: Config, write: bool = False) -> Run:
@@ -256,9 +251,7 @@ def train(
     run.health.close(finished=True)
     if stopped_at is not None:
         checkpoints = run.run_dir / rundir.CHECKPOINTS if run.run_dir else None
-        err = Preempted(stopped_at, run.stop.requested_by, checkpoints)
-        err.run_dir = run.run_dir
-        raise err
+        raise Preempted(stopped_at, run.stop.requested_by, checkpoints, run.run_dir)
     return run
 
 

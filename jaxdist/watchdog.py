@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxdist import coordination
-from jaxdist.failures import hostname
+from jaxdist.failures import hostname, process_state
 
 PROGRESS = "jaxdist/health/progress/"
 HANG_KEY = "jaxdist/health/hang"
@@ -63,8 +63,7 @@ class Deadlines:
 class Peer:
     """What a process last published, and when (on our clock) its beat last moved."""
 
-    record: dict
-    beat: int
+    record: dict  # its "beat" counts its publications
     moved_at: float  # time.monotonic() here
 
     def silent_for(self, now: float) -> float:
@@ -96,7 +95,6 @@ class Watchdog:
         self._seen_done = 0  # completions counted, for the warm-up
         self.peers: dict[int, Peer] = {}
         self.beat = 0
-        self.declared: dict | None = None  # the hang, once declared (by anyone)
         self.kv_stuck_since: float | None = None  # the store stopped answering
         self._stop = threading.Event()
         self._kv = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdist-kv")
@@ -165,7 +163,6 @@ class Watchdog:
         while not self._stop.wait(self.poll_s):
             declared = self._check()
             if declared is not None:
-                self.declared = declared
                 if self.on_hang is not None:
                     self.on_hang(self, declared)  # exits the process
                 return
@@ -192,11 +189,11 @@ class Watchdog:
             # A peer on this host whose process is gone died: no need to wait silent_s.
             dead = silent > 3 * self.poll_s and process_gone(peer.record, self.host)
             if dead or silent > self.deadlines.silent_s:
-                where = f"host {peer.record.get('host')}, pid {peer.record.get('pid')}"
                 state = "has died" if dead else "froze, or died, or its host is unreachable"
                 return self._declare(
-                    f"process {index} ({where}) {state}: it last reported {silent:.1f}s ago, "
-                    f"in phase {peer.record.get('phase')} of step {peer.record.get('step')}",
+                    f"process {index} ({where(peer.record)}) {state}: it last reported "
+                    f"{silent:.1f}s ago, in phase {peer.record.get('phase')} of step "
+                    f"{peer.record.get('step')}",
                     stuck_s=silent,
                     silent=index,
                     dead=dead,
@@ -238,8 +235,8 @@ class Watchdog:
             if index == self.index:
                 continue
             old = self.peers.get(index)
-            moved = old is None or old.beat != record["beat"]
-            self.peers[index] = Peer(record, record["beat"], now if moved else old.moved_at)
+            moved = old is None or old.record["beat"] != record["beat"]
+            self.peers[index] = Peer(record, now if moved else old.moved_at)
 
     def kv(self, fn, *args, timeout_s: float = 5.0):
         """``fn(*args)`` on the store, or None if it failed or took over ``timeout_s``
@@ -255,21 +252,23 @@ class Watchdog:
         return result
 
 
+def where(record: dict) -> str:
+    """A process's host and pid, from its published record."""
+    return f"host {record.get('host', '?')}, pid {record.get('pid', '?')}"
+
+
 def process_gone(record: dict, host: str) -> bool:
     """Whether the process of ``record`` is known to have ended: only on this host (a
     process elsewhere cannot be seen; its silence alone then speaks)."""
     if record.get("host") != host or "pid" not in record:
         return False
-    try:
-        with open(f"/proc/{record['pid']}/stat") as stat:
-            return stat.read().rsplit(") ", 1)[1][:1] in ("Z", "X")  # a zombie is dead
-    except FileNotFoundError:
+    state = process_state(record["pid"])
+    if state != "?":
+        return state in (None, "Z", "X")  # a zombie is dead
+    try:  # no /proc here: ask the kernel
+        os.kill(record["pid"], 0)
+    except ProcessLookupError:
         return True
-    except OSError:  # no /proc here: ask the kernel
-        try:
-            os.kill(record["pid"], 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
+    except OSError:
         return False
+    return False

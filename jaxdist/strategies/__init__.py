@@ -88,10 +88,7 @@ class StepProgram:
 
     def abstract_batch(self, batch):
         """``batch``'s shapes and dtypes, laid out as this program's batches are."""
-        sharding = jax.tree.leaves(self.batch)[0].sharding
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch
-        )
+        return abstract(batch, jax.tree.leaves(self.batch)[0].sharding)
 
     def compile(self) -> jax.stages.Compiled:
         if "compiled" not in self._compiled:
