@@ -35,6 +35,14 @@ def launcher(tmp_path):
         one.close()
 
 
+@pytest.fixture(scope="session")
+def finished(tmp_path_factory):
+    """Uninterrupted runs with checkpoints, each trained once (``finished_runs``)."""
+    from finished_runs import finished_runs
+
+    return finished_runs(tmp_path_factory)
+
+
 @pytest.fixture(autouse=True)
 def no_watchdog_left_running():
     """A run's watchdog must stop with it: one left running in this process would, past

@@ -1,6 +1,6 @@
-"""Uninterrupted runs of the trainer with checkpoints, trained once per test module and
-copied for each test: the reference of tests/test_checkpoint*.py (their own files:
-params, metrics.jsonl)."""
+"""Uninterrupted runs of the trainer with checkpoints, trained once per test session (the
+``finished`` fixture of conftest.py) and copied for each test: the reference of
+tests/test_checkpoint*.py (their own files: params, metrics.jsonl)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import small_config
+from helpers import metrics_of, small_config
 from jaxdist.config import from_dict, to_dict
 from jaxdist.loop import Run
 from jaxdist.train import train
@@ -34,10 +34,6 @@ def final_params(run) -> dict[str, np.ndarray]:
     return run.dp.host_params(run.state)
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def interrupt_after(run_dir: Path, step: int) -> None:
     """What a run stopped after saving ``step`` leaves: no later checkpoint."""
     for path in (run_dir / "checkpoints").iterdir():
@@ -56,10 +52,10 @@ class Finished:
 
 
 def finished_runs(tmp_path_factory):
-    """A module's ``finished`` fixture: ``finished(tmp_path, model, data=..., **flags)``
-    gives the uninterrupted run of ``config(...)`` (trained at its first use in the
-    module, with run id FIRST) and a copy of its run directory in ``tmp_path / "run"``
-    for the test to change."""
+    """The ``finished`` fixture: ``finished(tmp_path, model, data=..., **flags)`` gives
+    the uninterrupted run of ``config(...)`` (trained at its first use, with run id
+    FIRST) and a copy of its run directory in ``tmp_path / "run"`` for the test to
+    change."""
     done: dict[str, Finished] = {}
 
     def copy(tmp_path: Path, model=None, **flags) -> tuple[Finished, Path]:
@@ -70,7 +66,7 @@ def finished_runs(tmp_path_factory):
                 env.setenv("JAXDIST_RUN_ID", FIRST)
                 env.delenv("SLURM_JOB_ID", raising=False)
                 run = train(config(run_dir, model, **flags), quiet=True)
-            done[key] = Finished(run, run_dir, final_params(run), metrics(run_dir))
+            done[key] = Finished(run, run_dir, final_params(run), metrics_of(run_dir))
         shutil.copytree(done[key].run_dir, tmp_path / "run")
         return done[key], tmp_path / "run"
 

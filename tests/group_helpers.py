@@ -13,6 +13,16 @@ from pathlib import Path
 from helpers import alive
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+MLP = [
+    "--in-features",
+    "12",
+    "--num-classes",
+    "5",
+    "--hidden",
+    "16",
+    "--depth",
+    "1",
+]  # the small model of the group tests
 ENV.pop("JAX_NUM_CPU_DEVICES", None)  # each command's own flags decide its device count
 
 
@@ -56,6 +66,7 @@ class Launcher:
                 cwd=cwd,
             )
         self.seen: set[int] = set()
+        self._started: dict[int, str] = {}  # pid -> its start time: pids are reused
 
     def below(self) -> set[int]:
         """The launcher's descendants now (also remembered for the teardown)."""
@@ -66,6 +77,8 @@ class Launcher:
             found |= children
             todo.extend(children)
         self.seen |= found
+        for pid in found:
+            self._started.setdefault(pid, start_time(pid))
         return found
 
     def ranks(self) -> dict[int, int]:
@@ -89,9 +102,18 @@ class Launcher:
             self.below()
             self.proc.kill()
             self.proc.wait(timeout=10)
-        for pid in self.seen:
-            if alive(pid):
+        for pid in self.seen:  # only if the pid is still the process seen, not a reuse
+            if alive(pid) and start_time(pid) == self._started.get(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def start_time(pid: int) -> str | None:
+    """When ``pid`` started (field 22 of /proc/PID/stat, in clock ticks), None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def gone_within(pids, seconds: float) -> bool:

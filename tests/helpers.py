@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -86,8 +88,11 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     # A zombie is dead for our purposes: it runs nothing and holds no port.
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(") ")[1][0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:  # reaped since the kill
+        return False
 
 
 def named_leaves(tree) -> dict[str, object]:
@@ -100,3 +105,23 @@ def named_leaves(tree) -> dict[str, object]:
 def flat(tree) -> dict[str, np.ndarray]:
     """An nnx.State or a nested dict -> {"a/b/c": float64 numpy}."""
     return {k: np.asarray(v, np.float64) for k, v in named_leaves(tree).items()}
+
+
+def metrics_of(run_dir) -> list[dict]:
+    """A run's ``metrics.jsonl`` records."""
+    return _jsonl(Path(run_dir) / "metrics.jsonl")
+
+
+def failures_of(run_dir) -> list[dict]:
+    """A run's ``failures.jsonl`` records."""
+    return _jsonl(Path(run_dir) / "failures.jsonl")
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def saved_params(path) -> dict[str, np.ndarray]:
+    """The params ``--save-params`` wrote (an .npz), by path."""
+    with np.load(path) as f:
+        return {name: f[name] for name in f.files}

@@ -9,11 +9,10 @@ tests/test_checkpoint_rundir.py.
 Interrupting by deleting the checkpoints after step 12 gives the resumed run exactly
 what a run killed after saving step 12 leaves; real signals and kills are in
 tests/test_preemption.py and tests/test_checkpoint_cluster.py. Each uninterrupted run is
-trained once for the module (``finished``) and every test works on a copy of it."""
+trained once for the session (``finished``) and every test works on a copy of it."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -26,19 +25,11 @@ from finished_runs import (
     STOP,
     config,
     final_params,
-    finished_runs,
     interrupt_after,
-    metrics,
 )
-from helpers import relative_error
+from helpers import failures_of, flat, metrics_of, relative_error
 from jaxdist.config import ConfigError
 from jaxdist.train import train
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    return finished_runs(tmp_path_factory)
-
 
 BN_DROPOUT = {"name": "ckpt_models:BatchNormDropoutMLP"}
 
@@ -76,7 +67,7 @@ def test_resumed_run_ends_with_the_uninterrupted_params_bit_for_bit(
     for name in full.params:
         np.testing.assert_array_equal(got[name], full.params[name], err_msg=name)
     # metrics.jsonl: one record per step, the resumed steps replacing the dropped ones
-    records = metrics(run_dir)
+    records = metrics_of(run_dir)
     steps = [r["step"] for r in records]
     assert steps == list(range(1, STEPS + 1)), steps
     assert [r["loss"] for r in records] == [r["loss"] for r in full.metrics]
@@ -87,18 +78,10 @@ def test_bn_statistics_and_optimizer_state_come_back_exactly(tmp_path, finished)
     again = train(config(run_dir, BN_DROPOUT), quiet=True)  # already trained: restores 20
     assert again.begin.step == STEPS and not again.history
     for part in ("batch_stats", "opt_state"):
-        for a, b in zip(
-            jax_leaves(getattr(full.run.state, part)),
-            jax_leaves(getattr(again.state, part)),
-            strict=True,
-        ):
-            np.testing.assert_array_equal(a, b, err_msg=part)
-
-
-def jax_leaves(tree) -> list[np.ndarray]:
-    import jax
-
-    return [np.asarray(jax.device_get(x)) for x in jax.tree.leaves(tree)]
+        want, got = flat(getattr(full.run.state, part)), flat(getattr(again.state, part))
+        assert got.keys() == want.keys() and want, part
+        for name in want:  # float32 -> float64 is exact: still bit for bit
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"{part}/{name}")
 
 
 GPT = {"name": "gpt", "vocab_size": 258, "seq_len": 16, "d_model": 32, "n_heads": 2}
@@ -118,7 +101,8 @@ def test_elastic_resume_continues_the_uninterrupted_losses(tmp_path, finished, a
     interrupt_after(run_dir, STOP)
     resumed = train(config(run_dir, model, data=data, **after), quiet=True)
     assert resumed.begin.step == STOP
-    for record in metrics(run_dir):
+    assert [r["step"] for r in metrics_of(run_dir)] == list(range(1, STEPS + 1))
+    for record in metrics_of(run_dir):
         if record["step"] > STOP:
             assert record["loss"] == pytest.approx(reference[record["step"]], rel=1e-5)
     assert (
@@ -158,7 +142,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_previous_one_used(
     else:  # orbax fails to decode the array: named, with its saved shape
         assert re.search(r"cannot be read: \S+ \(saved as \(\d+, \d+\) float32\)", warning)
     assert resumed.begin.step == STOP - EVERY  # the previous checkpoint
-    (record,) = [json.loads(x) for x in (run_dir / "failures.jsonl").read_text().splitlines()]
+    (record,) = failures_of(run_dir)
     assert (record["cause"], record["step"], record["recovered"]) == (
         "corrupt_checkpoint",
         STOP,
@@ -203,5 +187,5 @@ def test_a_changed_global_batch_is_said_and_the_lr_follows_lr_scaling(
     ) in out, out
     # The logged lr: the uninterrupted run's schedule, scaled by 32 / base batch 16 or not
     want = {r["step"]: r["lr"] * factor for r in full.metrics if r["step"] > STOP}
-    got = {r["step"]: r["lr"] for r in metrics(run_dir) if r["step"] > STOP}
+    got = {r["step"]: r["lr"] for r in metrics_of(run_dir) if r["step"] > STOP}
     assert got == pytest.approx(want, rel=1e-6)

@@ -26,7 +26,7 @@ import pytest
 
 import slurm_cluster
 from group_helpers import Launcher, gone_within
-from helpers import launch
+from helpers import launch, saved_params
 from jaxdist.rundir import checkpoint_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,11 +40,6 @@ SLURM = pytest.mark.skipif(
     slurm_cluster.missing() is not None, reason=f"SLURM cluster: {slurm_cluster.missing()}"
 )
 pytestmark = pytest.mark.xdist_group("slurm")  # one local cluster at a time
-
-
-def params(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path) as f:
-        return {name: f[name] for name in f.files}
 
 
 def assert_bitwise_equal(got: dict, want: dict) -> None:
@@ -110,7 +105,7 @@ def uninterrupted(tmp_path_factory) -> Uninterrupted:
     # The tests after this one compile as warm as they would have with the shared cache
     shared = Path(os.environ["JAXDIST_CACHE"]) / "xla"
     shutil.copytree(tmp / "cache" / "xla", shared, dirs_exist_ok=True)
-    return Uninterrupted(params(out), tmp, done.stdout)
+    return Uninterrupted(saved_params(out), tmp, done.stdout)
 
 
 def test_the_default_run_dir_is_process_0s_on_every_process(uninterrupted):
@@ -157,7 +152,7 @@ def test_a_worker_killed_twice_restarts_the_group_which_ends_bit_for_bit(
     assert re.search(restarted, text), text[-3000:]
     assert "[rank 0] resumed from the checkpoint of step 30 in " in text, text[-3000:]
     assert logged_steps(run_dir) == list(range(1, STEPS + 1))  # none twice, none missing
-    assert_bitwise_equal(params(out), uninterrupted.params)
+    assert_bitwise_equal(saved_params(out), uninterrupted.params)
     assert gone_within(run.below() | run.seen, 5), "processes left behind"
 
 
@@ -261,7 +256,7 @@ def test_a_slurm_job_stopped_by_usr1_is_requeued_and_resumes_bit_for_bit(
     assert f"jaxdist: exit 75: requeueing job {job_id} (1 of 20)" in text  # srun returned 75
     assert f"resumed from the checkpoint of step {stopped} in " in text
     assert logged_steps(run_dirs()[0]) == list(range(1, STEPS + 1))  # none twice, none missing
-    assert_bitwise_equal(params(out), uninterrupted.params)
+    assert_bitwise_equal(saved_params(out), uninterrupted.params)
 
 
 # A stopped group whose processes exit 75 two seconds apart (rank 1 first)

@@ -11,14 +11,10 @@ import shutil
 import numpy as np
 import pytest
 
-from finished_runs import FIRST, STEPS, config, final_params, finished_runs, metrics
+from finished_runs import FIRST, STEPS, config, final_params
+from helpers import metrics_of
 from jaxdist.config import ConfigError
 from jaxdist.train import train
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-    return finished_runs(tmp_path_factory)
 
 
 def run_as(monkeypatch, launcher_id: str | None) -> None:
@@ -46,7 +42,7 @@ def test_an_earlier_run_is_never_replaced_silently(tmp_path, finished, monkeypat
     assert (run_dir / "metrics.jsonl").read_text() == before  # untouched
     fresh = train(config(run_dir, overwrite=True), quiet=True)
     assert fresh.begin.step == 0
-    assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in metrics_of(run_dir)] == list(range(1, STEPS + 1))
 
 
 def test_a_restart_of_the_same_run_before_its_first_checkpoint_trains_afresh(
@@ -65,7 +61,7 @@ def test_a_restart_of_the_same_run_before_its_first_checkpoint_trains_afresh(
         f"note: restarting run {FIRST} in {run_dir} from step 0: an earlier attempt reached "
         f"step {STEPS} and saved no checkpoint"
     ) in out, out
-    assert [r["step"] for r in metrics(run_dir)] == list(range(1, STEPS + 1))  # replaced
+    assert [r["step"] for r in metrics_of(run_dir)] == list(range(1, STEPS + 1))  # replaced
     goodput = json.loads((run_dir / "goodput.json").read_text())  # both attempts counted
     assert len(goodput["attempts"]) == 2 and goodput["recomputed_s"] > 0, goodput
     got = final_params(again)

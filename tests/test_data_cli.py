@@ -3,22 +3,17 @@ source, evaluation, the data-wait metric, bad input, and 2 processes."""
 
 from __future__ import annotations
 
-import json
 import sys
 import textwrap
 
 import numpy as np
 import pytest
 
-from helpers import launch, run_cli, run_module
+from helpers import launch, metrics_of, run_cli, run_module
 from jaxdist.data import write_token_file
 
 GPT = ["--model", "gpt", "--steps", "3", "--log-every", "1", "--seq-len", "16"]
 GPT += ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--global-batch-size", "8"]
-
-
-def records(run_dir):
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture
@@ -41,12 +36,12 @@ def test_text_folder_is_prepared_once_and_evaluated_in_bits_per_byte(tmp_path, t
     second = run_cli(*args, "--run-dir", str(tmp_path / "b"))
     assert second.returncode == 0, second.stderr
     assert prepared[0].stat().st_mtime_ns == mtime  # reused, not re-tokenised
-    last = records(tmp_path / "a")[-1]
+    last = metrics_of(tmp_path / "a")[-1]
     assert last["eval_count"] > 0 and last["eval_loss"] > 0
     # bits per byte: nats over all targets / ln 2 / byte targets; EOT targets are few
     assert last["eval_bpb"] == pytest.approx(last["eval_loss"] / np.log(2), rel=0.02)
-    assert all("data_wait_s" in r for r in records(tmp_path / "a")[1:])
-    assert records(tmp_path / "a")[-1]["loss"] == records(tmp_path / "b")[-1]["loss"]
+    assert all("data_wait_s" in r for r in metrics_of(tmp_path / "a")[1:])
+    assert metrics_of(tmp_path / "a")[-1]["loss"] == metrics_of(tmp_path / "b")[-1]["loss"]
 
 
 def test_token_files_with_vocabulary_from_the_sidecar(tmp_path):
@@ -68,7 +63,7 @@ def test_token_files_with_vocabulary_from_the_sidecar(tmp_path):
         str(tmp_path / "params.npz"),
     )
     assert proc.returncode == 0, proc.stderr
-    last = records(tmp_path / "run")[-1]
+    last = metrics_of(tmp_path / "run")[-1]
     assert last["eval_count"] == (500 - 1) // 16  # windows of 17 tokens at stride 16
     embeddings = [v.shape for v in np.load(tmp_path / "params.npz").values()]
     assert (1000, 16) in embeddings  # the vocabulary came from the sidecar
@@ -100,15 +95,15 @@ def test_npz_classification_with_1001_held_out_examples(tmp_path):
         str(tmp_path / "two"),
     )
     assert two_procs.returncode == 0, two_procs.stdout[-3000:] + two_procs.stderr[-3000:]
-    want = records(tmp_path / "one")[-1]
+    want = metrics_of(tmp_path / "one")[-1]
     assert want["eval_count"] == 1001
     for name in ("eight", "two"):
-        got = records(tmp_path / name)[-1]
+        got = metrics_of(tmp_path / name)[-1]
         assert got["eval_count"] == 1001, name
         assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5), name
         assert got["eval_accuracy"] == pytest.approx(want["eval_accuracy"], abs=1e-6), name
-        got_losses = [r["loss"] for r in records(tmp_path / name)]
-        want_losses = [r["loss"] for r in records(tmp_path / "one")]
+        got_losses = [r["loss"] for r in metrics_of(tmp_path / name)]
+        want_losses = [r["loss"] for r in metrics_of(tmp_path / "one")]
         np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
 
 
@@ -156,7 +151,7 @@ def test_npz_batches_keep_the_arrays_names(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
-    last = records(tmp_path / "run")[-1]
+    last = metrics_of(tmp_path / "run")[-1]
     assert last["eval_count"] == 100 and 0 <= last["eval_accuracy"] <= 1
     # the logits are not metrics: only the trainer's own names are logged
     logged = {"loss", "lr", "grad_norm", "step", "step_time_s", "samples_per_s"}
@@ -205,7 +200,7 @@ def test_user_data_source(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
-    assert records(tmp_path / "run")[-1]["eval_count"] == 100
+    assert metrics_of(tmp_path / "run")[-1]["eval_count"] == 100
 
 
 def _files(tmp_path):
@@ -268,4 +263,4 @@ def test_prepare_command_then_train(tmp_path, text_folder):
         str(tmp_path / "run"),
     )
     assert train.returncode == 0, train.stderr
-    assert "eval_bpb" in records(tmp_path / "run")[-1]  # byte-level: the sidecar says 257
+    assert "eval_bpb" in metrics_of(tmp_path / "run")[-1]  # byte-level: the sidecar says 257

@@ -10,7 +10,6 @@ not seen before calls the agreement hook."""
 
 from __future__ import annotations
 
-import json
 import sys
 
 import jax
@@ -20,20 +19,16 @@ import pytest
 from flax import nnx
 
 import jaxdist
+from group_helpers import MLP
+from helpers import failures_of
 from jaxdist.faults import flip_a_bit
 from jaxdist.replica_check import ReplicaCheck, ReplicaDivergenceError
-
-MLP = ["--in-features", "12", "--num-classes", "5", "--hidden", "16", "--depth", "1"]
 
 
 def launch_args(run_dir, *train_args: str, command=None) -> list[str]:
     train = [sys.executable, "-m", "jaxdist.train", *MLP, "--run-dir", str(run_dir)]
     train += ["--compile-cache", "off", *train_args]
     return ["--nproc", "2", "--cpu-devices-per-proc", "2", "--", *(command or train)]
-
-
-def failures_of(run_dir) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "failures.jsonl").read_text().splitlines()]
 
 
 def test_a_different_global_batch_on_one_process_stops_both_before_step_1(tmp_path, launcher):

@@ -7,7 +7,6 @@ coordination service listens on the coordinator address given, not on every inte
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -15,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from group_helpers import ENV
+from group_helpers import ENV, MLP
+from helpers import failures_of
 from jaxdist.procgroup import free_port
-
-MLP = ["--in-features", "12", "--num-classes", "5", "--hidden", "16", "--depth", "1"]
 
 
 def start(tmp_path: Path, rank: int, port: int, args: list[str], env: dict, name: str = ""):
@@ -87,7 +85,7 @@ def test_survivors_name_the_dead_process(tmp_path, group, victim):
     last = log(tmp_path, 1 - victim).strip().splitlines()[-1]
     assert last.startswith(f"[rank {1 - victim}] jaxdist: error: process {victim} (host "), last
     assert " died" in last and f"pid {dead.pid}" in last, last
-    (failure,) = [json.loads(x) for x in (run_dir / "failures.jsonl").read_text().splitlines()]
+    (failure,) = failures_of(run_dir)
     assert (failure["cause"], failure["process"], failure["exit_code"]) == ("dead_peer", victim, 76)
     assert failure["reported_by"] == 1 - victim
 

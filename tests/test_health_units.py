@@ -22,10 +22,15 @@ def test_the_automatic_step_deadline_is_20_median_steps_but_at_least_5_minutes(m
     assert watch.step_deadline_s() == AUTO_FLOOR_S  # before any step: the floor
     clock = [100.0]
     monkeypatch.setattr("jaxdist.watchdog.time.monotonic", lambda: clock[0])
-    for step in range(1, WARMUP_STEPS + 12):
-        clock[0] += 30.0 if step <= WARMUP_STEPS else 20.0  # warm-up steps are slower
+    for step in range(1, WARMUP_STEPS + 4):  # 5 warm-up steps of 100 s, then 3 of 20 s
+        clock[0] += 100.0 if step <= WARMUP_STEPS else 20.0
         watch.completed(step)
-    assert watch.step_deadline_s() == 20 * 20.0  # the warm-up's 30 s steps do not count
+    assert watch.step_deadline_s() == 20 * 20.0  # counted, the 100 s steps would be the median
+    fast = Watchdog(0, 1, Deadlines())
+    for step in range(1, WARMUP_STEPS + 10):  # 1 s steps: 20 x 1 s is under the floor
+        clock[0] += 1.0
+        fast.completed(step)
+    assert fast.step_deadline_s() == AUTO_FLOOR_S
     assert Watchdog(0, 1, Deadlines(step_s=7)).step_deadline_s() == 7
     slow = Watchdog(0, 1, Deadlines(step_s=7, slow_s=99))
     slow.phase("save", 3)
@@ -82,7 +87,7 @@ JAX_BIND = {"JAX_COORDINATOR_BIND_ADDRESS": "x:5"}  # JAX's own variable, as the
         (
             ClusterSpec("env", "127.0.0.1:5", 2, 0),
             "",
-            {"JAX_COORDINATOR_BIND_ADDRESS": "x:5"},
+            JAX_BIND,
             "x:5",
         ),
         (ClusterSpec("slurm", None, 8, 0), "", {}, ""),  # JAX picks the coordinator: its default

@@ -17,7 +17,7 @@ import time
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from helpers import small_config
+from helpers import metrics_of, small_config
 from jaxdist import config as config_lib
 from jaxdist.train import main, train
 
@@ -54,10 +54,6 @@ def _train_runs(root):
     return dirs, walls, printed
 
 
-def records(run_dir) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def scalars(log_dir) -> EventAccumulator:
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
@@ -88,7 +84,7 @@ def summary_rows(printed: str) -> dict[str, str]:
 def expected_summary(run_dir, first_step: int = 1, batch: int = 16) -> dict[str, str]:
     """The summary's figures as the run's files fix them, for the attempt that started at
     ``first_step`` (wall time and p90 are left out: no file holds them)."""
-    logged = [r for r in records(run_dir) if r["step"] >= first_step]
+    logged = [r for r in metrics_of(run_dir) if r["step"] >= first_step]
     goodput = json.loads((run_dir / "goodput.json").read_text())
     steps, timed_s = 0, 0.0  # the steps after the first, which compiles
     for before, r in zip(logged, logged[1:], strict=False):
@@ -122,7 +118,7 @@ def test_the_final_summary_table_shows_each_runs_figures(runs):
 def test_tensorboard_holds_each_metric_at_the_logged_steps(runs):
     dirs = runs[0]
     events = scalars(dirs["eval"] / "tb")
-    logged = [r["step"] for r in records(dirs["eval"])]
+    logged = [r["step"] for r in metrics_of(dirs["eval"])]
     assert logged == [1, 2, 3, 4, 6, 7]  # first, every 2nd, evaluations (3, 6) and last
     tags = events.Tags()["scalars"]
     for tag in ("train/loss", "train/lr", "train/grad_norm", "train/skipped_steps"):
@@ -133,7 +129,7 @@ def test_tensorboard_holds_each_metric_at_the_logged_steps(runs):
     assert [e.step for e in events.Scalars("perf/data_wait_frac")] == logged[1:]
     for tag in ("eval/loss", "eval/accuracy"):
         assert [e.step for e in events.Scalars(tag)] == [3, 6, 7], tag
-    losses = [r["loss"] for r in records(dirs["eval"])]
+    losses = [r["loss"] for r in metrics_of(dirs["eval"])]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
     assert "perf/mfu" not in tags and "perf/memory_gb" not in tags  # CPU: no peak, no stats
     config = events.Tensors("config")[0].tensor_proto.string_val[0].decode()
@@ -168,7 +164,7 @@ def test_goodput_parts_add_up_to_the_wall_time_measured_around_the_run(runs):
             v for k, v in goodput.items() if k.endswith("_s") and k not in ("wall_s", "other_s")
         )
         assert abs(named - wall) < 0.02 * wall, json.dumps(goodput)
-        logged = records(dirs[name])
+        logged = metrics_of(dirs[name])
         # Productive time: the steps after the first, from metrics.jsonl's own step times
         # less their data waits.
         steps = [r["step"] for r in logged]

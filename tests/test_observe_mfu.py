@@ -8,9 +8,10 @@ import re
 
 import pytest
 
+from helpers import metrics_of
 from jaxdist import config as config_lib
 from jaxdist.train import train
-from test_observe import PEAK_TFLOPS, records, runs, scalars, summary_rows  # noqa: F401
+from test_observe import PEAK_TFLOPS, runs, scalars, summary_rows  # noqa: F401
 
 FLOPS_LINE = r"FLOPs per step: XLA cost analysis (\S+); (.*) \(cpu\)"
 
@@ -19,7 +20,7 @@ def test_a_known_peak_shows_mfu_everywhere_a_run_reports(runs):  # noqa: F811
     """The plain run: 2 devices at PEAK_TFLOPS each; an MLP has no formula, so MFU uses
     XLA's count, the same for every step."""
     dirs, _, printed = runs
-    logged = records(dirs["plain"])
+    logged = metrics_of(dirs["plain"])
     peak = PEAK_TFLOPS * 1e12 * 2
     assert "mfu" not in logged[0]  # the first step compiles: no MFU of it
     flops = [r["mfu"] * r["step_time_s"] * peak for r in logged[1:]]
@@ -38,7 +39,7 @@ def test_a_known_peak_shows_mfu_everywhere_a_run_reports(runs):  # noqa: F811
 
 def test_without_a_peak_a_cpu_run_shows_no_mfu(runs):  # noqa: F811
     dirs, _, printed = runs
-    assert not any("mfu" in r for r in records(dirs["eval"]))
+    assert not any("mfu" in r for r in metrics_of(dirs["eval"]))
     assert "perf/mfu" not in scalars(dirs["eval"] / "tb").Tags()["scalars"]
     xla, peak_text = re.search(FLOPS_LINE, printed["eval"]).groups()
     assert float(xla) > 0 and peak_text == "no peak"

@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import shutil
 
 import pytest
 
-from helpers import small_config
+from finished_runs import interrupt_after
+from helpers import metrics_of, small_config
 from jaxdist.train import train
-from test_observe import SUMMARY, expected_summary, records, scalars, summary_rows
+from test_observe import SUMMARY, expected_summary, scalars, summary_rows
 
 RESTORED, EARLIER_LAST, STEPS = 2, 5, 8
 
@@ -27,12 +27,6 @@ def config(run_dir, steps: int):
     return small_config(
         steps=steps, checkpoint_every=2, keep=10, num_devices=2, run_dir=str(run_dir)
     )
-
-
-def interrupt_after(run_dir, step: int) -> None:
-    for path in (run_dir / "checkpoints").iterdir():
-        if path.name.isdigit() and int(path.name) > step:
-            shutil.rmtree(path)
 
 
 def busy_s(logged: list[dict], steps: range) -> float:
@@ -45,7 +39,7 @@ def resumed(tmp_path_factory):
     """(run dir, the earlier attempt's records, what the resumed attempt printed)."""
     run_dir = tmp_path_factory.mktemp("resumed") / "run"
     train(config(run_dir, EARLIER_LAST), quiet=True)
-    earlier = records(run_dir)
+    earlier = metrics_of(run_dir)
     interrupt_after(run_dir, RESTORED)
     with contextlib.redirect_stdout(io.StringIO()) as out:
         train(config(run_dir, STEPS))
@@ -55,7 +49,7 @@ def resumed(tmp_path_factory):
 def test_tensorboard_shows_each_step_once_with_the_resumed_attempts_points(resumed):
     run_dir, earlier, _ = resumed
     events = scalars(run_dir / "tb")
-    logged = records(run_dir)  # trimmed to step 2 at the resume, then steps 3..8
+    logged = metrics_of(run_dir)  # trimmed to step 2 at the resume, then steps 3..8
     assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
     for tag, key in (("train/loss", "loss"), ("train/lr", "lr")):
         points = [(e.step, e.value) for e in events.Scalars(tag)]
@@ -73,7 +67,7 @@ def test_goodput_keeps_both_attempts_and_counts_the_steps_done_again(resumed):
     first, second = goodput["attempts"]
     assert first["last_step"] == EARLIER_LAST and second["last_step"] == STEPS
     assert first["recomputed_s"] == 0
-    logged = records(run_dir)
+    logged = metrics_of(run_dir)
     # step 3 compiles (compile_s); 4 and 5 were done before; 6..8 are new
     again = busy_s(logged, range(RESTORED + 2, EARLIER_LAST + 1))
     assert second["recomputed_s"] > 0

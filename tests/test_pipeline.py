@@ -69,6 +69,14 @@ def test_stacked_gpt_equals_a_plain_loop(data_parallel):
     assert_same(data_parallel, (losses, params))
 
 
+@pytest.mark.parametrize("remat", ["block", "full"])
+def test_remat_inside_the_stack_equals_the_plain_loop(remat):
+    """Checkpointed blocks in the stack's scan (recomputed in the backward pass) train as
+    the plain loop over the un-checkpointed stack does."""
+    got = layouts.train_on(dict(data=8), model=lambda: stacked(remat), data=batches)[:2]
+    assert_same(got, plain_loop())
+
+
 def unscanned_copy(remat="none"):
     """The unscanned GPT (a list of blocks) holding the stacked GPT's initial values:
     the two draw them differently, so the values are copied, layer i of each stacked

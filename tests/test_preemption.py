@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from helpers import relative_error, run_cli
+from helpers import relative_error, run_cli, saved_params
 from jaxdist.rundir import checkpoint_steps
 
 # Many short steps: a signal sent after a few logged steps lands mid-run.
@@ -48,17 +48,12 @@ def wait_for_steps(run_dir: Path, count: int, proc: subprocess.Popen, timeout=12
     raise AssertionError(f"{count} steps not logged within {timeout}s (exit {proc.poll()})")
 
 
-def params(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path) as f:
-        return {k: f[k] for k in f.files}
-
-
 def reference(tmp_path: Path, *extra) -> dict[str, np.ndarray]:
     out = tmp_path / "reference.npz"
     done = run_cli(*FLAGS, *extra, "--cpu-devices", "8", "--run-dir", str(tmp_path / "ref"),
                    "--save-params", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    return params(out)
+    return saved_params(out)
 
 
 def test_sigusr1_saves_exits_75_and_the_same_command_resumes_bit_for_bit(tmp_path):
@@ -77,7 +72,7 @@ def test_sigusr1_saves_exits_75_and_the_same_command_resumes_bit_for_bit(tmp_pat
     assert f"resumed from the checkpoint of step {stopped}" in again.stdout
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()]
     assert steps == list(range(1, 1501))  # no step twice, none missing
-    got, want = params(out), reference(tmp_path)
+    got, want = saved_params(out), reference(tmp_path)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
@@ -102,7 +97,7 @@ def test_sigterm_to_one_of_two_processes_then_resume_on_one(tmp_path):
     again = run_cli(*train, "--cpu-devices", "8")
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed from the checkpoint of step {stops[0][1]}" in again.stdout
-    got, want = params(out), reference(tmp_path)
+    got, want = saved_params(out), reference(tmp_path)
     flat = [np.concatenate([d[k].ravel() for k in sorted(want)]) for d in (got, want)]
     assert relative_error(*flat) < 1e-5
 
@@ -164,6 +159,6 @@ def test_kill_during_an_asynchronous_save_keeps_the_previous_checkpoint(tmp_path
     ref = run_cli(*big, "--cpu-devices", "8", "--run-dir", str(tmp_path / "ref"),
                   "--save-params", str(want_out))  # fmt: skip
     assert ref.returncode == 0, ref.stderr[-2000:]
-    got, want = params(out), params(want_out)
+    got, want = saved_params(out), saved_params(want_out)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
