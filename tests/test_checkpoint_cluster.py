@@ -260,7 +260,13 @@ def test_a_slurm_job_stopped_by_usr1_is_requeued_and_resumes_bit_for_bit(
 
 
 # A stopped group whose processes exit 75 two seconds apart (rank 1 first)
-EXIT_75_APART = '#!/bin/sh\n[ "$SLURM_PROCID" = 0 ] && sleep 2\nexit 75\n'
+# The training tasks exit 75, rank 0 two seconds after rank 1; the script's own python
+# (python -m jaxdist.requeue after srun) is the real one.
+EXIT_75_APART = f"""#!/bin/sh
+[ "$2" = jaxdist.train ] || exec {sys.executable} "$@"
+[ "$SLURM_PROCID" = 0 ] && sleep 2
+exit 75
+"""
 
 
 @SLURM
@@ -268,7 +274,7 @@ def test_processes_exiting_75_one_after_another_leave_srun_at_75(tmp_path, slurm
     """srun's exit code is what the script requeues on. With --kill-on-bad-exit=1 the
     first exit 75 would kill rank 0 and srun would return 137. Here the limit is 0, so
     the script, seeing 75, says it does not requeue."""
-    stand_in = tmp_path / "bin" / "python"  # found first on the tasks' PATH
+    stand_in = tmp_path / "bin" / "python"  # found first on the job's PATH
     stand_in.parent.mkdir()
     stand_in.write_text(EXIT_75_APART)
     stand_in.chmod(0o755)
