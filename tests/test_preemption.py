@@ -18,8 +18,10 @@ import numpy as np
 from helpers import relative_error, run_cli, saved_params
 from jaxdist.rundir import checkpoint_steps
 
-# Many short steps: a signal sent after a few logged steps lands mid-run.
-FLAGS = ["--steps", "1500", "--log-every", "1", "--global-batch-size", "16", "--hidden", "16"]
+# Many short steps: a signal sent after 20 logged steps lands mid-run (the stop comes
+# within 2 steps of it; a step here takes milliseconds, the poll for 20 steps 50 ms).
+STEPS = 500
+FLAGS = ["--steps", str(STEPS), "--log-every", "1", "--global-batch-size", "16", "--hidden", "16"]
 FLAGS += ["--compile-cache", "off"]
 
 
@@ -71,7 +73,7 @@ def test_sigusr1_saves_exits_75_and_the_same_command_resumes_bit_for_bit(tmp_pat
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"resumed from the checkpoint of step {stopped}" in again.stdout
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()]
-    assert steps == list(range(1, 1501))  # no step twice, none missing
+    assert steps == list(range(1, STEPS + 1))  # no step twice, none missing
     got, want = saved_params(out), reference(tmp_path)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
