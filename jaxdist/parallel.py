@@ -126,11 +126,9 @@ class Parallel:
     def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """One optimizer step on a global batch from ``shard_batch``. Donates ``state``."""
         program = self.program(batch)
-        if self._on_new_shapes is not None:
-            shapes = _shapes(batch)
-            if shapes not in self._batch_shapes:
-                self._batch_shapes.add(shapes)
-                self._on_new_shapes(program, batch)
+        if self._on_new_shapes is not None and _shapes(batch) not in self._batch_shapes:
+            self._batch_shapes.add(_shapes(batch))  # rare: a batch of new shapes
+            self._on_new_shapes(program, batch)
         return program(state, batch)
 
     def on_new_batch_shapes(self, callback: Callable, *, known=None) -> None:
