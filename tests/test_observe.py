@@ -159,11 +159,14 @@ def test_goodput_parts_add_up_to_the_wall_time_measured_around_the_run(runs):
     for name in ("eval", "plain"):
         goodput = json.loads((dirs[name] / "goodput.json").read_text())
         wall = walls[name]
-        assert goodput["wall_s"] == pytest.approx(wall, rel=0.02), name
+        # The record is final at the Stopped event; closing TensorBoard's file and printing
+        # the summary come after it, tens of ms on a loaded machine: 2% of this 1-2 s run.
+        slack = 0.02 * wall + 0.05
+        assert abs(goodput["wall_s"] - wall) < slack, name
         named = sum(
             v for k, v in goodput.items() if k.endswith("_s") and k not in ("wall_s", "other_s")
         )
-        assert abs(named - wall) < 0.02 * wall, json.dumps(goodput)
+        assert abs(named - wall) < slack, json.dumps(goodput)
         logged = metrics_of(dirs[name])
         # Productive time: the steps after the first, from metrics.jsonl's own step times
         # less their data waits.
