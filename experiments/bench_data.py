@@ -40,9 +40,9 @@ def main() -> None:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 
     import jaxdist
-    from jaxdist.config import from_dict
     from jaxdist.data import TokenWindows, stdlib_corpus
-    from jaxdist.train import train
+    from jaxdist.train.config import from_dict
+    from jaxdist.train.trainer import train
 
     path = stdlib_corpus()["train"]
     windows = TokenWindows(path, args.seq_len)

@@ -67,7 +67,7 @@ def measure(args, who: str, size: str, dims: dict, run: dict) -> dict:
 
 
 def _config(args, dims: dict, run: dict, data_path: str):
-    from jaxdist.config import from_dict
+    from jaxdist.train.config import from_dict
 
     model = {"name": "gpt", "attention": args.attention, "dtype": run["dtype"]}
     model.update(vocab_size=run["vocab_size"], seq_len=run["seq_len"], **dims)
@@ -81,7 +81,7 @@ def measure_jaxdist(args, dims: dict, run: dict) -> dict:
     import tempfile
 
     from jaxdist.data import write_token_file
-    from jaxdist.train import train
+    from jaxdist.train.trainer import train
 
     with tempfile.TemporaryDirectory() as tmp:
         n_tokens = (run["steps"] + 4) * run["batch"] * run["seq_len"] + 1
@@ -105,7 +105,7 @@ def measure_plain_jax(args, dims: dict, run: dict) -> dict:
     from flax import nnx
 
     import peer_plain_jax as plain
-    from jaxdist.models import attention_kernel, build_model
+    from jaxdist.train.build_model import attention_kernel, build_model
 
     cfg = _config(args, dims, run, "").model
     model, _ = build_model(cfg, seed=0)

@@ -25,8 +25,8 @@ def main() -> None:
     if args.cpu_devices:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 
-    from jaxdist.config import from_dict
-    from jaxdist.train import train
+    from jaxdist.train.config import from_dict
+    from jaxdist.train.trainer import train
 
     print(f"{'model':6} {'strategy':10} {'median step ms':>15} {'samples/s':>10}")
     for model in ("mlp", "gpt"):

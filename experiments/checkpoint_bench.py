@@ -98,7 +98,7 @@ def trained_like(state):
 def named_arrays(state) -> dict:
     import jax
 
-    from jaxdist.layout import path_name
+    from jaxdist.parallel.layout import path_name
 
     return {path_name(path): x for path, x in jax.tree.leaves_with_path(state)}
 
@@ -116,7 +116,7 @@ def timed(fn, repeats: int) -> tuple[float, float]:
 def measure_checkpoints(cpu_devices: int, root: Path, repeats: int) -> list[tuple]:
     import jax
 
-    from jaxdist.checkpoint import fingerprints
+    from jaxdist.checkpoint.checkpointer import fingerprints
 
     start = time.perf_counter()
     dp, state = build_state(cpu_devices)

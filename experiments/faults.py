@@ -5,7 +5,8 @@ Command:   python experiments/faults.py [--timeout 60] [--out experiments/FAULTS
 Hardware:  any CPU; 2 processes x 2 emulated devices on one machine, started by hand as
            a scheduler's srun would (no launcher to end the group for them).
 Runs:      the default MLP, 60 steps, a checkpoint every 5; ``JAXDIST_FAULT`` (see
-           ``jaxdist/faults.py``) makes process 1 (or 0) misbehave at step 8. Health on:
+           ``jaxdist/health/fault_injection.py``) makes process 1 (or 0) misbehave at step 8.
+           Health on:
            ``--step-timeout 5``; off: ``--no-health`` (JAX's own behaviour). Both with
            ``--heartbeat-timeout 30``, so that JAX's own detection, where there is one,
            comes within the harness's ``--timeout``.
@@ -34,8 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxdist.procgroup import free_port
-from jaxdist.rundir import checkpoint_steps
+from jaxdist.checkpoint.run_directory import checkpoint_steps
+from jaxdist.launch.group import free_port
 from jaxdist.sinks.goodput import earlier_last_step
 
 FAULTS = {

@@ -27,7 +27,7 @@ import time
 
 
 def config_for(model: str, strategy: str, args, health: bool, every: int):
-    from jaxdist.config import from_dict
+    from jaxdist.train.config import from_dict
 
     return from_dict(
         {
@@ -48,7 +48,7 @@ def step_ms(run) -> float:
 
 
 def check_ms(run) -> float:
-    from jaxdist.replica_check import ReplicaCheck
+    from jaxdist.health.replica_check import ReplicaCheck
 
     check = ReplicaCheck(run.dp)
     check.check(run.state.params, 0)  # compiles
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--every", type=int, default=100)
     args = parser.parse_args()
-    from jaxdist.train import train
+    from jaxdist.train.trainer import train
 
     print("model strategy | step ms: health on, off | one replica check ms, share of a step")
     for model in ("mlp", "gpt"):

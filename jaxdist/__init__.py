@@ -1,38 +1,56 @@
-"""jaxdist: data-parallel training of Flax models with pmap, shard_map or GSPMD.
+"""jaxdist: PyTorch's DDP and torchrun for Flax models, on every device JAX can see.
 
-The public API (PyTorch names in brackets)::
+The public API, by subsystem (PyTorch names in brackets)::
 
+    # cluster/: the process group
     info = jaxdist.initialize()                       # [init_process_group]
+    jaxdist.barrier("name"); jaxdist.is_main_process(); jaxdist.print_main(...)
+    # parallel/: the mesh, the layout, the step
     mesh = jaxdist.make_mesh(data=-1)                 # all devices on axis "data"
     dp = jaxdist.DataParallel(model, tx, loss_fn, mesh=mesh, strategy="gspmd")  # [DDP(model)]
-    sampler = jaxdist.DistributedSampler(n, global_batch_size=256)  # [DistributedSampler]
-    eval_sampler = jaxdist.EvalSampler(n, 256)        # every example once, padding masked
     batch = jaxdist.shard_batch(host_numpy_batch, mesh)
     state, metrics = dp.step(state, batch)
     dp.check(metrics, step)                           # NaN / bad rows: raises (or skipped)
     jaxdist.mean_over_replicas(tree)                  # [all_reduce / world_size], in a step
     jaxdist.sum_over_replicas(tree)                   # [all_reduce], in a step
-    jaxdist.barrier("name"); jaxdist.is_main_process(); jaxdist.print_main(...)
-    sinks = jaxdist.sinks.Sinks([jaxdist.sinks.TensorBoard("runs/mine/tb")])  # what a run shows
+    # data/: which rows each process reads
+    sampler = jaxdist.DistributedSampler(n, global_batch_size=256)  # [DistributedSampler]
+    eval_sampler = jaxdist.EvalSampler(n, 256)        # every example once, padding masked
+    # launch/: processes on one machine
+    jaxdist.spawn(fn, args=(...), nprocs=2)           # [mp.spawn]
+    # sinks/ and flops: what a run shows
+    sinks = jaxdist.sinks.Sinks([jaxdist.sinks.TensorBoard("runs/mine/tb")])
     jaxdist.flops.xla_step_flops(dp.program(batch), mesh.size)  # FLOPs per step, for MFU
+
+The command line (``python -m jaxdist.train``) is ``jaxdist.train``; importing ``jaxdist``
+does not import it, nor the trainer's distributed health (``jaxdist.health``).
 """
 
 from jaxdist import flops, sinks
-from jaxdist.adapt import as_nnx
-from jaxdist.errors import JaxdistError, ModelError
-from jaxdist.health import BadBatchError, NonFiniteError
-from jaxdist.parallel import DataParallel, Parallel
-from jaxdist.process import ProcessInfo, barrier, initialize, is_main_process, print_main
-from jaxdist.replicas import mean_over_replicas, replica_index, step_key, sum_over_replicas
-from jaxdist.sampler import DistributedSampler, EvalSampler
-from jaxdist.sharding import make_mesh, shard_batch
-from jaxdist.spawn import SpawnError, spawn
-from jaxdist.step import TrainState
+from jaxdist.cluster import ProcessInfo, barrier, initialize, is_main_process, print_main
+from jaxdist.data import DistributedSampler, EvalSampler
+from jaxdist.errors import ConfigError, JaxdistError, ModelError
+from jaxdist.launch import SpawnError, spawn
+from jaxdist.models import as_nnx
+from jaxdist.parallel import (
+    BadBatchError,
+    DataParallel,
+    NonFiniteError,
+    Parallel,
+    TrainState,
+    make_mesh,
+    mean_over_replicas,
+    replica_index,
+    shard_batch,
+    step_key,
+    sum_over_replicas,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BadBatchError",
+    "ConfigError",
     "DataParallel",
     "DistributedSampler",
     "EvalSampler",

@@ -27,8 +27,8 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax-cache}"
 
 # Why --kill-on-bad-exit=0, --wait, which exit codes requeue and at most
-# JAXDIST_MAX_REQUEUES times: see 8node.sh and jaxdist/requeue.py.
+# JAXDIST_MAX_REQUEUES times: see 8node.sh and jaxdist/launch/requeue.py.
 srun --kill-on-bad-exit=0 --wait=120 python -m jaxdist.train "$@"
 rc=$?
-python -m jaxdist.requeue "$rc"
+python -m jaxdist.launch.requeue "$rc"
 exit "$rc"

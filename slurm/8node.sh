@@ -46,6 +46,6 @@ rc=$?
 # Requeue when running again can succeed: 75 preempted (checkpoint saved), 76 a process
 # died, 77 hang, a task killed by a signal (a lost node); never after 1, 2, 78 or 79, and
 # at most JAXDIST_MAX_REQUEUES (20) times, so a run that cannot finish does not requeue
-# forever (jaxdist/requeue.py says which, and runs scontrol requeue).
-python -m jaxdist.requeue "$rc"
+# forever (jaxdist/launch/requeue.py says which, and runs scontrol requeue).
+python -m jaxdist.launch.requeue "$rc"
 exit "$rc"

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from helpers import metrics_of, small_config
-from jaxdist.config import from_dict, to_dict
-from jaxdist.loop import Run
-from jaxdist.train import train
+from jaxdist.train.config import from_dict, to_dict
+from jaxdist.train.loop import Run
+from jaxdist.train.trainer import train
 
 STEPS, EVERY, STOP = 20, 4, 12
 FIRST = "first-run"  # the run id of the module's uninterrupted runs (jaxdist.launch's)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxdist.config import from_dict
+from jaxdist.train.config import from_dict
 
 
 def small_config(**train):

@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
-from jaxdist import config as config_lib
-from jaxdist.config_checks import RANGES
 from jaxdist.sinks import MetricsFile, StepMetrics
-from jaxdist.train import main
+from jaxdist.train import config as config_lib
+from jaxdist.train.config_checks import RANGES
+from jaxdist.train.trainer import main
 
 GPT = ["--model", "gpt", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "1"]
 GPT += ["--global-batch-size", "8", "--num-devices", "2", "--log-every", "1"]

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from helpers import run_module
-from jaxdist import config as config_lib
-from jaxdist import data as data_lib
 from jaxdist.data import write_token_file
 from jaxdist.data.checks import sample_indices
-from jaxdist.train import main
+from jaxdist.train import build_data
+from jaxdist.train import config as config_lib
+from jaxdist.train.trainer import main
 from test_bad_input import GPT, error_line, run_main
 
 
@@ -58,7 +58,7 @@ def test_token_files_get_the_per_step_batch_check(tmp_path):
     config = config_lib.from_dict(
         {"model": {"name": "gpt", "seq_len": 8}, "data": {"path": str(path)}}
     )
-    check = data_lib.build(config, "lm", progress=False).row_check  # DataParallel's batch_check
+    check = build_data.build(config, "lm", progress=False).row_check  # DataParallel's batch_check
     assert check({"tokens": np.array([[1, 256], [1, 257]])}).tolist() == [True, False]
 
 
@@ -67,8 +67,8 @@ import os
 import sys
 
 from jaxdist.data import tokens
-from jaxdist.exits import exit_now
-from jaxdist.train import main
+from jaxdist.cluster.shutdown import exit_now
+from jaxdist.train.trainer import main
 
 path, calls, read = sys.argv[1], [0], tokens.TokenWindows.__getitem__
 

@@ -28,8 +28,8 @@ from finished_runs import (
     interrupt_after,
 )
 from helpers import failures_of, flat, metrics_of, relative_error
-from jaxdist.config import ConfigError
-from jaxdist.train import train
+from jaxdist.train.config import ConfigError
+from jaxdist.train.trainer import train
 
 BN_DROPOUT = {"name": "ckpt_models:BatchNormDropoutMLP"}
 

@@ -27,7 +27,7 @@ import pytest
 import slurm_cluster
 from group_helpers import Launcher, gone_within
 from helpers import launch, saved_params
-from jaxdist.rundir import checkpoint_steps
+from jaxdist.checkpoint.run_directory import checkpoint_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 60, 5  # a stop lands between the first checkpoint and the end
@@ -261,7 +261,7 @@ def test_a_slurm_job_stopped_by_usr1_is_requeued_and_resumes_bit_for_bit(
 
 # A stopped group whose processes exit 75 two seconds apart (rank 1 first)
 # The training tasks exit 75, rank 0 two seconds after rank 1; the script's own python
-# (python -m jaxdist.requeue after srun) is the real one.
+# (python -m jaxdist.launch.requeue after srun) is the real one.
 EXIT_75_APART = f"""#!/bin/sh
 [ "$2" = jaxdist.train ] || exec {sys.executable} "$@"
 [ "$SLURM_PROCID" = 0 ] && sleep 2

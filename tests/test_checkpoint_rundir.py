@@ -13,8 +13,8 @@ import pytest
 
 from finished_runs import FIRST, STEPS, config, final_params
 from helpers import metrics_of
-from jaxdist.config import ConfigError
-from jaxdist.train import train
+from jaxdist.train.config import ConfigError
+from jaxdist.train.trainer import train
 
 
 def run_as(monkeypatch, launcher_id: str | None) -> None:

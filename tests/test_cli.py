@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from helpers import run_cli, small_config
-from jaxdist.train import train
+from jaxdist.train.trainer import train
 
 TINY = ["--model.in_features", "12", "--hidden", "24"]
 

@@ -12,9 +12,9 @@ import pytest
 
 import jaxdist
 from helpers import run_cli
-from jaxdist.config import from_dict
 from jaxdist.data.checks import sample_indices
-from jaxdist.train import train
+from jaxdist.train.config import from_dict
+from jaxdist.train.trainer import train
 
 N, G = 256, 32  # examples, global batch: 8 steps per epoch, so each example once in 4 steps
 

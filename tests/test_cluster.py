@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxdist.cluster import resolve
+from jaxdist.cluster.environment import resolve
 from jaxdist.errors import JaxdistError
 
 SLURM = {

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import jaxdist.models
-from jaxdist import data as data_lib
-from jaxdist.config import ConfigError, from_dict
 from jaxdist.data import text
+from jaxdist.train import build_data
+from jaxdist.train.config import ConfigError, from_dict
 
 SOURCES = """
 import numpy as np
@@ -82,7 +82,7 @@ def sources(tmp_path_factory):
 
 def build(sources, factory, task="lm", **model):
     config = from_dict({"model": model, "data": {"path": f"{sources}:{factory}"}})
-    return data_lib.build(config, task, progress=False)
+    return build_data.build(config, task, progress=False)
 
 
 def test_one_byte_vocabulary_and_a_source_may_say_its_own(sources):

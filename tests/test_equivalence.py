@@ -13,10 +13,10 @@ import pytest
 from flax import nnx
 
 from helpers import relative_error, small_config
+from jaxdist.data.sampler import DistributedSampler
 from jaxdist.data.synthetic import TeacherClassification
-from jaxdist.models import build_model
-from jaxdist.sampler import DistributedSampler
-from jaxdist.train import train
+from jaxdist.train.build_model import build_model
+from jaxdist.train.trainer import train
 
 
 def reference_params(config):

@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 from helpers import run_cli
-from jaxdist.config import ConfigError, from_dict
-from jaxdist.factories import bind, parse_model_args
-from jaxdist.models import model_factory
-from jaxdist.train import main
+from jaxdist.train.build_model import model_factory
+from jaxdist.train.config import ConfigError, from_dict
+from jaxdist.train.factories import bind, parse_model_args
+from jaxdist.train.trainer import main
 
 MODELS = """
 import numpy as np

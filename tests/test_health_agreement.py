@@ -21,8 +21,8 @@ from flax import nnx
 import jaxdist
 from group_helpers import MLP
 from helpers import failures_of
-from jaxdist.faults import flip_a_bit
-from jaxdist.replica_check import ReplicaCheck, ReplicaDivergenceError
+from jaxdist.health.fault_injection import flip_a_bit
+from jaxdist.health.replica_check import ReplicaCheck, ReplicaDivergenceError
 
 
 def launch_args(run_dir, *train_args: str, command=None) -> list[str]:

@@ -16,7 +16,7 @@ import pytest
 
 from group_helpers import ENV, MLP
 from helpers import failures_of
-from jaxdist.procgroup import free_port
+from jaxdist.launch.group import free_port
 
 
 def start(tmp_path: Path, rank: int, port: int, args: list[str], env: dict, name: str = ""):

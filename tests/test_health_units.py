@@ -8,20 +8,20 @@ import json
 
 import pytest
 
-from jaxdist import failures
-from jaxdist.cluster import ClusterSpec
-from jaxdist.coordinator import service_address
+from jaxdist.cluster import failures
+from jaxdist.cluster.environment import ClusterSpec
+from jaxdist.cluster.service import service_address
 from jaxdist.errors import ConfigError
-from jaxdist.faults import Fault, Faults, parse
-from jaxdist.hang import name_culprit
-from jaxdist.watchdog import AUTO_FLOOR_S, WARMUP_STEPS, Deadlines, Watchdog
+from jaxdist.health.fault_injection import Fault, Faults, parse
+from jaxdist.health.hang_report import name_culprit
+from jaxdist.health.watchdog import AUTO_FLOOR_S, WARMUP_STEPS, Deadlines, Watchdog
 
 
 def test_the_automatic_step_deadline_is_20_median_steps_but_at_least_5_minutes(monkeypatch):
     watch = Watchdog(0, 1, Deadlines())
     assert watch.step_deadline_s() == AUTO_FLOOR_S  # before any step: the floor
     clock = [100.0]
-    monkeypatch.setattr("jaxdist.watchdog.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("jaxdist.health.watchdog.time.monotonic", lambda: clock[0])
     for step in range(1, WARMUP_STEPS + 4):  # 5 warm-up steps of 100 s, then 3 of 20 s
         clock[0] += 100.0 if step <= WARMUP_STEPS else 20.0
         watch.completed(step)

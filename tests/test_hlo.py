@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from helpers import small_config
-from jaxdist.train import setup
+from jaxdist.train.trainer import setup
 
 SHAPE = re.compile(r"f32\[([\d,]*)\]")
 

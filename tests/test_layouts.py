@@ -14,9 +14,9 @@ from flax import nnx
 
 import jaxdist
 from helpers import relative_error
-from jaxdist.layout import LayoutError, path_name, state_shardings
 from jaxdist.models.gpt import GPT
-from jaxdist.train import main
+from jaxdist.parallel.layout import LayoutError, path_name, state_shardings
+from jaxdist.train.trainer import main
 
 VOCAB, SEQ, LAYERS, STEPS, G = 64, 16, 2, 5, 16
 LAYOUTS = {

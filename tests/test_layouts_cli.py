@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from helpers import relative_error
-from jaxdist.config import parse_args
-from jaxdist.layout import path_name
-from jaxdist.train import main, train
+from jaxdist.parallel.layout import path_name
+from jaxdist.train.config import parse_args
+from jaxdist.train.trainer import main, train
 
 GPT = ["--model", "gpt", "--data", "grammar", "--seq-len", "16", "--vocab-size", "260"]
 MLP = ["--model", "mlp", "--data", "synthetic", "--in-features", "16", "--hidden", "64"]

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from helpers import launch, relative_error
-from jaxdist.config import parse_args
-from jaxdist.train import train
+from jaxdist.train.config import parse_args
+from jaxdist.train.trainer import train
 
 COMMON = [
     *("--data", "grammar", "--seq-len", "16", "--optimizer", "sgd", "--lr", "0.5"),

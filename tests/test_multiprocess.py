@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from helpers import alive, launch, run_cli
-from jaxdist.launch import free_port
+from jaxdist.launch.launcher import free_port
 
 TRAIN = [
     sys.executable,
@@ -105,8 +105,8 @@ def test_launcher_fails_fast_with_the_failed_code(tmp_path):
 TRAIN_AND_RECORD_PID = (
     RECORD_PID
     + """
-from jaxdist.train import main
-from jaxdist.exits import exit_now
+from jaxdist.train.trainer import main
+from jaxdist.cluster.shutdown import exit_now
 exit_now(main(sys.argv[2:]))
 """
 )

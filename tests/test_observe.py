@@ -18,8 +18,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import metrics_of, small_config
-from jaxdist import config as config_lib
-from jaxdist.train import main, train
+from jaxdist.train import config as config_lib
+from jaxdist.train.trainer import main, train
 
 EVAL_RUN = dict(steps=7, log_every=2, eval_every=3, eval_batch_size=16, num_devices=8)
 PEAK_TFLOPS = 1e-3  # the plain run's --peak-tflops: a CPU has no peak of its own

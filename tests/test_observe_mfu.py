@@ -9,8 +9,8 @@ import re
 import pytest
 
 from helpers import metrics_of
-from jaxdist import config as config_lib
-from jaxdist.train import train
+from jaxdist.train import config as config_lib
+from jaxdist.train.trainer import train
 from test_observe import PEAK_TFLOPS, runs, scalars, summary_rows  # noqa: F401
 
 FLOPS_LINE = r"FLOPs per step: XLA cost analysis (\S+); (.*) \(cpu\)"

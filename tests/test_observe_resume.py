@@ -17,7 +17,7 @@ import pytest
 
 from finished_runs import interrupt_after
 from helpers import metrics_of, small_config
-from jaxdist.train import train
+from jaxdist.train.trainer import train
 from test_observe import SUMMARY, expected_summary, scalars, summary_rows
 
 RESTORED, EARLIER_LAST, STEPS = 2, 5, 8

@@ -24,7 +24,7 @@ import test_layouts as layouts
 from helpers import relative_error
 from jaxdist.errors import ConfigError, ModelError
 from jaxdist.models.gpt import GPT
-from jaxdist.strategies.pipeline import bubble_fraction
+from jaxdist.parallel.strategies.pipeline import bubble_fraction
 from test_layouts import SEQ, VOCAB, loss_fn
 
 G, STEPS, LAYERS = 32, 5, 4

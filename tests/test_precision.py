@@ -16,8 +16,8 @@ from flax import nnx
 
 import jaxdist
 from helpers import flat, relative_error
-from jaxdist.config import ModelConfig
-from jaxdist.models import build_model
+from jaxdist.train.build_model import build_model
+from jaxdist.train.config import ModelConfig
 
 DEVICES, SEED = 8, 3
 STRATEGIES = ["gspmd", "shard_map", "pmap"]

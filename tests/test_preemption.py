@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from helpers import relative_error, run_cli, saved_params
-from jaxdist.rundir import checkpoint_steps
+from jaxdist.checkpoint.run_directory import checkpoint_steps
 
 # Many short steps: a signal sent after 20 logged steps lands mid-run (the stop comes
 # within 2 steps of it; a step here takes milliseconds, the poll for 20 steps 50 ms).

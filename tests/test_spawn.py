@@ -17,7 +17,7 @@ import spawn_targets
 
 import jaxdist
 from helpers import alive
-from jaxdist import procgroup
+from jaxdist.launch import group
 
 STEPS, LR = 5, 0.1
 
@@ -76,7 +76,7 @@ def test_a_function_a_fresh_interpreter_cannot_import_is_refused(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("a process was started")
 
-    monkeypatch.setattr(procgroup, "run", started)
+    monkeypatch.setattr(group, "run", started)
 
     def closure(rank):
         return rank
@@ -107,6 +107,7 @@ def test_a_function_of_an_interactive_session_is_refused():
 
 CALLER = """import os, pathlib, sys, time
 import jaxdist
+from jaxdist.launch import group
 
 def wait(rank, pid_dir):  # in a script's __main__: each process loads the file again
     pathlib.Path(pid_dir, str(rank)).write_text(str(os.getpid()))

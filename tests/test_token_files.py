@@ -10,13 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxdist.data import (
-    BYTE_VOCAB,
-    NpzArrays,
-    TokenWindows,
-    read_sidecar,
-    write_token_file,
-)
+from jaxdist.data import BYTE_VOCAB, NpzArrays, TokenWindows, read_sidecar, write_token_file
 from jaxdist.data import tokens as tokens_lib
 from jaxdist.errors import JaxdistError
 

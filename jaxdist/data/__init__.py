@@ -1,12 +1,13 @@
 """The input pipeline: sources on disk or synthetic, samplers, host batches, prefetch.
+Building sources from the command line's ``--data`` is ``jaxdist.train.build_data``.
 
 Loaders yield host-local numpy (this process's rows); ``jaxdist.shard_batch`` is the one
 seam to global device arrays. ``python -m jaxdist.data prepare`` writes token files.
 """
 
 from jaxdist.data.arrays import NpzArrays
-from jaxdist.data.build import Data, build
 from jaxdist.data.loader import Batch, DataSource, Prefetcher, eval_batches, host_batches
+from jaxdist.data.sampler import DistributedSampler, EvalSampler
 from jaxdist.data.text import (
     BYTE_VOCAB,
     EOT,
@@ -31,12 +32,12 @@ __all__ = [
     "BYTE_VOCAB",
     "EOT",
     "Batch",
-    "Data",
     "DataSource",
+    "DistributedSampler",
+    "EvalSampler",
     "NpzArrays",
     "Prefetcher",
     "TokenWindows",
-    "build",
     "collect_files",
     "default_cache_dir",
     "eval_batches",

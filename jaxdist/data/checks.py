@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxdist.config import ConfigError
+from jaxdist.errors import ConfigError
 
 SAMPLE_ROWS = 64  # random rows per source, plus the first and the last
 

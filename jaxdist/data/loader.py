@@ -16,8 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxdist.data.sampler import DistributedSampler, EvalSampler
 from jaxdist.errors import JaxdistError
-from jaxdist.sampler import DistributedSampler, EvalSampler
 
 Batch = dict[str, np.ndarray]
 

@@ -2,7 +2,7 @@
 
 Parameters carry logical axis names (``nnx.with_partitioning``), Megatron-style: qkv and
 fc column-parallel (embed, heads/mlp), proj and out row-parallel (heads/mlp, embed), the
-token embedding (vocab, embed). They change nothing by themselves: ``jaxdist.layout``
+token embedding (vocab, embed). They change nothing by themselves: ``jaxdist.parallel.layout``
 maps them to mesh axes (a data-only mesh replicates everything). The model is built with
 flax's eager sharding off, so it can be built anywhere, with or without a mesh."""
 
@@ -83,7 +83,7 @@ class GPT(nnx.Module):
     ):
         check_remat(remat)
         self.remat = remat
-        with nnx.use_eager_sharding(False):  # names only; jaxdist.layout places them
+        with nnx.use_eager_sharding(False):  # names only; jaxdist.parallel.layout places them
             kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
             self.tok = nnx.Embed(
                 vocab_size, d_model, embedding_init=_embed(("vocab", "embed")), **kw

@@ -1,0 +1,129 @@
+"""Stop cleanly when the scheduler says so: SIGUSR1 or SIGTERM -> every process stops
+after the same step, the trainer saves a checkpoint and exits 75.
+
+SLURM's ``--signal=USR1@120`` sends SIGUSR1 two minutes before the end of the allocation;
+SLURM's own end, ``scancel`` and Kubernetes send SIGTERM. The handler only sets a flag
+(it is installed right after the process group forms, before data is prepared, so a
+signal during set-up stops too). A second SIGTERM exits at once with 143.
+
+Agreement, polled after every step through the coordination service (one ~0.1 ms round
+trip): the first process to see its flag proposes "stop after step k + 2", where k is the
+step it has just dispatched, and the first proposal stands (``set_first``). Why + 2: the
+loop dispatches step k+1 before it reads step k's results, so when one process is at k,
+another can already have dispatched k+1 (it cannot pass k+1: its check of k+1 needs this
+process's step k+1) and will poll again at k+2 at the latest. Every process thus reads
+the same stop step before reaching it. One process needs no agreement: it stops at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+from jaxdist.cluster import failures, shutdown, store
+
+STOP_KEY = "jaxdist/stop_after_step"
+MARGIN_STEPS = 2
+
+
+class StopFlag:
+    def __init__(self):
+        self.signal_name = ""  # the first stop signal this process got
+        self.stop_step: int | None = None  # agreed: stop after this step
+        self.requested_by = ""  # "SIGTERM to process 1"
+        self._proposed = False
+        self._last_poll: float | None = None  # when the loop last called stop_after
+        self._longest_gap_s = 0.0  # the longest time between two such calls
+        self._paused = 0  # inside `busy()`: evaluating or saving, not stepping
+        signal.signal(signal.SIGUSR1, self._set)
+        if shutdown.sigterm_watched():  # in a group: the watcher thread calls us first
+            shutdown.stop_on_sigterm(self._group_sigterm)
+        else:
+            signal.signal(signal.SIGTERM, self._sigterm)
+
+    def _set(self, signum, frame) -> None:
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+
+    def _sigterm(self, signum, frame) -> None:
+        if self.signal_name == "SIGTERM":  # the second one: do as asked, now
+            os._exit(failures.TERMINATED)
+        self._set(signum, frame)
+
+    def _group_sigterm(self) -> None:
+        self._set(signal.SIGTERM, None)
+        threading.Thread(target=self._end_if_stuck, daemon=True, name="jaxdist-stop").start()
+
+    def _end_if_stuck(self) -> None:
+        """A loop that stops polling is stuck in a collective (a peer died: gloo and NCCL
+        may wait for ever, and JAX's heartbeat takes its full timeout): no clean stop can
+        come, so SIGTERM ends the process as it would without a trainer. Stuck means no
+        poll for 3 x the longest gap between polls seen (at least 2 s), while stepping."""
+        while True:
+            time.sleep(0.2)
+            if self._last_poll is None or self._paused:
+                continue
+            patience_s = max(2.0, 3 * self._longest_gap_s)
+            if time.monotonic() - self._last_poll > patience_s:
+                print(
+                    f"jaxdist: SIGTERM: the training loop made no step in {patience_s:.0f}s "
+                    "(a peer process probably died); ending now",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(failures.TERMINATED)
+
+    @contextlib.contextmanager
+    def busy(self):
+        """Evaluating or saving: long, but not stuck (see ``_end_if_stuck``)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self._last_poll = time.monotonic()
+
+    def stop_after(self, step: int) -> int | None:
+        """Call after dispatching ``step``, on every process: the step after which every
+        process stops (the same everywhere), or None to go on."""
+        now = time.monotonic()
+        if self._last_poll is not None:
+            self._longest_gap_s = max(self._longest_gap_s, now - self._last_poll)
+        self._last_poll = now
+        if self.stop_step is not None:
+            return self.stop_step
+        if not store.available():
+            if self.signal_name:
+                self.stop_step, self.requested_by = step, self.signal_name
+            return self.stop_step
+        if self.signal_name and not self._proposed:
+            self._proposed = True
+            who = f"{self.signal_name} to process {_process_index()}"
+            store.set_first(STOP_KEY, f"{step + MARGIN_STEPS} {who}")
+        agreed = store.try_get(STOP_KEY)
+        if agreed is not None:
+            at, self.requested_by = agreed.split(" ", 1)
+            self.stop_step = int(at)
+        return self.stop_step
+
+
+def _process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+class Preempted(Exception):
+    """The loop stopped on a stop signal after ``step``, its checkpoint saved (exit 75)."""
+
+    def __init__(self, step: int, requested_by: str, checkpoints, run_dir=None):
+        self.step = step
+        self.run_dir = run_dir  # where its failure record goes (jaxdist.train.ending)
+        saved = f"; checkpoint saved in {checkpoints}" if checkpoints else ""
+        super().__init__(
+            f"stopped after step {step} on {requested_by}{saved}; "
+            f"exit {failures.PREEMPTED} (run the same command again to resume)"
+        )

@@ -1,0 +1,275 @@
+"""Never hang silently: every process tells the others what it is doing, and a phase that
+outlives its deadline stops the whole group with a report naming the culprit.
+
+The training loop marks its phases (``watch.phase("data", step)``, ``"step"``, ``"eval"``,
+``"save"``) and the steps it completes (``watch.completed(step)``): a few attribute
+writes, no I/O. A daemon thread (``jaxdist-watchdog``) does the rest once per poll:
+
+* publishes this process's progress to the coordination service's key-value store
+  (``jaxdist/health/progress/<i>``: phase, its step, seconds in it, last completed step,
+  host, pid, a beat counter) and reads every peer's;
+* declares a hang when this process has been in one phase past its deadline
+  (``--step-timeout`` for training steps and evaluation batches; ``--slow-phase-timeout``
+  for set-up, the steps that compile and checkpoint saves), or when a peer's beat has not
+  moved for ``silent_s`` (its whole process is frozen: SIGSTOP, a stuck host), or when
+  another process declared one (``jaxdist/health/hang``);
+* then ``jaxdist.health.hang_report`` dumps stacks, writes ``RUN_DIR/hang-report.txt`` and exits 77.
+
+A frozen process cannot report itself; it is named by the others. One process without a
+group has no store: its own deadlines still apply.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxdist.cluster import store
+from jaxdist.cluster.failures import hostname, process_state
+
+PROGRESS = "jaxdist/health/progress/"
+HANG_KEY = "jaxdist/health/hang"
+SLOW_PHASES = ("setup", "save")  # always on the slow deadline
+AUTO_FLOOR_S = 300.0  # --step-timeout 0 (auto): max(5 minutes, 20 x the median step)
+AUTO_FACTOR = 20
+WARMUP_STEPS = 5  # completions not in the median (compilation, caches warming up)
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    step_s: float = 0.0  # 0: auto
+    slow_s: float = 1800.0
+    silent_s: float = 50.0  # a peer that has not reported for this long is frozen
+
+    def describe(self) -> str:
+        step = f"{self.step_s:g}s" if self.step_s else (
+            f"auto (max({AUTO_FLOOR_S:g}s, {AUTO_FACTOR} x the median step time after "
+            f"{WARMUP_STEPS} steps))"
+        )  # fmt: skip
+        return (
+            f"--step-timeout {step}, --slow-phase-timeout {self.slow_s:g}s (set-up, "
+            f"compilation, checkpoints); a process silent for {self.silent_s:g}s is frozen"
+        )
+
+
+@dataclass(frozen=True)
+class Peer:
+    """What a process last published, and when (on our clock) its beat last moved."""
+
+    record: dict  # its "beat" counts its publications
+    moved_at: float  # time.monotonic() here
+
+    def silent_for(self, now: float) -> float:
+        return now - self.moved_at
+
+
+class Watchdog:
+    def __init__(
+        self,
+        process_index: int,
+        process_count: int,
+        deadlines: Deadlines,
+        *,
+        poll_s: float = 1.0,
+        on_hang=None,
+    ):
+        self.index, self.count = process_index, process_count
+        self.deadlines = deadlines
+        # Short deadlines (tests) want quicker polls; a poll is one or two ~0.1 ms RPCs.
+        self.poll_s = min(poll_s, max(0.05, (deadlines.step_s or AUTO_FLOOR_S) / 5))
+        # (watchdog, declaration) -> never returns: jaxdist.health.hang_report.handle
+        self.on_hang = on_hang
+        self.run_dir: Path | None = None  # where the report goes, once known
+        self.host, self.pid = hostname(), os.getpid()
+        self.phase_name, self.phase_step, self.slow = "setup", 0, True
+        self.since = time.monotonic()
+        self.done_step = 0  # the last step whose results this process read
+        self._last_done_at: float | None = None
+        self._intervals: collections.deque[float] = collections.deque(maxlen=200)
+        self._seen_done = 0  # completions counted, for the warm-up
+        self.peers: dict[int, Peer] = {}
+        self.beat = 0
+        self.kv_stuck_since: float | None = None  # the store stopped answering
+        self._stop = threading.Event()
+        self._kv = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxdist-kv")
+        self._thread = threading.Thread(target=self._run, name="jaxdist-watchdog", daemon=True)
+
+    # --- the main thread's side: cheap, no I/O
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def phase(self, name: str, step: int, *, slow: bool = False) -> None:
+        """Entering phase ``name`` for ``step``: its deadline runs from now."""
+        self.phase_name, self.phase_step = name, step
+        self.slow = slow or name in SLOW_PHASES
+        self.since = time.monotonic()
+        if self.slow:  # a slow phase's time is not a step interval
+            self._last_done_at = None
+
+    def completed(self, step: int) -> None:
+        """The results of ``step`` were read: progress, and one more step time."""
+        now = time.monotonic()
+        self.done_step = step
+        self._seen_done += 1
+        if self._last_done_at is not None and self._seen_done > WARMUP_STEPS:
+            self._intervals.append(now - self._last_done_at)
+        self._last_done_at = now
+
+    def finish(self) -> None:
+        """The loop is over: silence from here on is no alarm."""
+        self.phase("done", self.done_step)
+        self._publish()
+        self.stop()
+
+    def stop(self) -> None:
+        """No more watching (the thread ends within a poll; its store calls fail)."""
+        self._stop.set()
+        self._kv.shutdown(wait=False)  # its thread would otherwise outlive the run
+
+    # --- deadlines
+    def step_deadline_s(self) -> float:
+        if self.deadlines.step_s:
+            return self.deadlines.step_s
+        if not self._intervals:
+            return AUTO_FLOOR_S
+        return max(AUTO_FLOOR_S, AUTO_FACTOR * statistics.median(self._intervals))
+
+    def deadline_s(self) -> float:
+        return self.deadlines.slow_s if self.slow else self.step_deadline_s()
+
+    def record(self) -> dict:
+        return {
+            "process": self.index,
+            "host": self.host,
+            "pid": self.pid,
+            "phase": self.phase_name,
+            "step": self.phase_step,
+            "in_phase_s": round(time.monotonic() - self.since, 3),
+            "deadline_s": round(self.deadline_s(), 3),
+            "done": self.done_step,
+            "beat": self.beat,
+        }
+
+    # --- the watchdog thread
+    def _run(self) -> None:
+        self._publish()  # at once: the peers know this process's host and pid from the start
+        while not self._stop.wait(self.poll_s):
+            declared = self._check()
+            if declared is not None:
+                if self.on_hang is not None:
+                    self.on_hang(self, declared)  # exits the process
+                return
+
+    def _check(self) -> dict | None:
+        self._publish()
+        self._read_peers()
+        now = time.monotonic()
+        if self.count > 1:
+            found = self.kv(store.try_get, HANG_KEY)
+            if found:
+                return json.loads(found)
+        overdue = now - self.since - self.deadline_s()
+        if overdue > 0 and self.phase_name != "done":
+            return self._declare(
+                f"process {self.index} spent {now - self.since:.1f}s in phase "
+                f"{self.phase_name} of step {self.phase_step} (deadline {self.deadline_s():g}s)",
+                stuck_s=now - self.since,
+            )
+        for index, peer in sorted(self.peers.items()):
+            if peer.record.get("phase") == "done":
+                continue  # finished: its silence is no alarm
+            silent = peer.silent_for(now)
+            # A peer on this host whose process is gone died: no need to wait silent_s.
+            dead = silent > 3 * self.poll_s and process_gone(peer.record, self.host)
+            if dead or silent > self.deadlines.silent_s:
+                state = "has died" if dead else "froze, or died, or its host is unreachable"
+                return self._declare(
+                    f"process {index} ({where(peer.record)}) {state}: it last reported "
+                    f"{silent:.1f}s ago, in phase {peer.record.get('phase')} of step "
+                    f"{peer.record.get('step')}",
+                    stuck_s=silent,
+                    silent=index,
+                    dead=dead,
+                )
+        if self.kv_stuck_since is not None and now - self.kv_stuck_since > self.deadlines.silent_s:
+            return self._declare(
+                f"the coordination service on process 0 has not answered for "
+                f"{now - self.kv_stuck_since:.1f}s (process 0 frozen?)",
+                stuck_s=now - self.kv_stuck_since,
+                local_only=True,
+            )
+        return None
+
+    def _declare(self, reason: str, stuck_s: float, local_only=False, **about) -> dict:
+        """The hang (or, ``dead=True``, a dead peer): this process's finding, or the
+        first one any process made (``jaxdist/health/hang``)."""
+        declared = {"by": self.index, "reason": reason, "stuck_s": round(stuck_s, 3), **about}
+        if self.count > 1 and not local_only:
+            agreed = self.kv(store.set_first, HANG_KEY, json.dumps(declared))
+            if agreed:
+                return json.loads(agreed)
+        return declared
+
+    def _publish(self) -> None:
+        self.beat += 1
+        if self.count > 1:
+            self.kv(store.put, f"{PROGRESS}{self.index}", json.dumps(self.record()))
+
+    def _read_peers(self) -> None:
+        if self.count == 1:
+            return
+        found = self.kv(store.get_dir, PROGRESS)
+        if found is None:
+            return
+        now = time.monotonic()
+        for value in found.values():
+            record = json.loads(value)
+            index = record["process"]
+            if index == self.index:
+                continue
+            old = self.peers.get(index)
+            moved = old is None or old.record["beat"] != record["beat"]
+            self.peers[index] = Peer(record, now if moved else old.moved_at)
+
+    def kv(self, fn, *args, timeout_s: float = 5.0):
+        """``fn(*args)`` on the store, or None if it failed or took over ``timeout_s``
+        (a frozen process 0 holds the store: its calls would wait for ever)."""
+        try:
+            result = self._kv.submit(fn, *args).result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.kv_stuck_since = self.kv_stuck_since or time.monotonic()
+            return None
+        except Exception:
+            return None
+        self.kv_stuck_since = None
+        return result
+
+
+def where(record: dict) -> str:
+    """A process's host and pid, from its published record."""
+    return f"host {record.get('host', '?')}, pid {record.get('pid', '?')}"
+
+
+def process_gone(record: dict, host: str) -> bool:
+    """Whether the process of ``record`` is known to have ended: only on this host (a
+    process elsewhere cannot be seen; its silence alone then speaks)."""
+    if record.get("host") != host or "pid" not in record:
+        return False
+    state = process_state(record["pid"])
+    if state != "?":
+        return state in (None, "Z", "X")  # a zombie is dead
+    try:  # no /proc here: ask the kernel
+        os.kill(record["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False

@@ -1,0 +1,270 @@
+"""N local processes of one command, started, watched and ended as one group: the one
+implementation behind ``python -m jaxdist.launch`` and ``jaxdist.spawn``.
+
+* Output is forwarded as bytes, each line prefixed ``[rank R] `` (``jaxdist.launch.rank_output``).
+* A thread per process waits for it, so exits are seen in the order they happen: the
+  first rank to fail, by time, is the one reported.
+* Ending the group: SIGTERM to every rank's process group, SIGKILL after ``grace`` s.
+  A rank that stopped for preemption (exit 75) first gives the others ``grace`` s to stop
+  at the same step by themselves.
+* No orphans. Each rank leads its own process group (its children are signalled with
+  it) and gets SIGKILL when the thread that started it dies (Linux ``PR_SET_PDEATHSIG``,
+  ``kill -9`` of us included); a guard process SIGKILLs every rank's process group when
+  its pipe from us closes without a goodbye, which also reaches the ranks' children and
+  works where prctl does not exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from jaxdist.cluster import failures
+from jaxdist.launch import orphans
+from jaxdist.launch.rank_output import Output, forward
+
+KILL_WAIT_S = 5.0  # after SIGKILL: time for the kernel to tear the processes down
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_env(
+    rank: int,
+    nproc: int,
+    port: int,
+    *,
+    cpu_devices_per_proc: int = 0,
+    gpus_per_proc: int = 0,
+    failure_dir: str = "",
+) -> dict[str, str]:
+    """The environment ``jaxdist.initialize()`` reads to join the group (``jaxdist.cluster``)."""
+    env = dict(os.environ)
+    env.update(
+        JAXDIST_COORDINATOR=f"127.0.0.1:{port}",
+        JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",  # loopback only, not [::]
+        JAXDIST_NUM_PROCESSES=str(nproc),
+        JAXDIST_PROCESS_ID=str(rank),
+        PYTHONUNBUFFERED="1",  # lines arrive as they are printed, not at exit
+    )
+    if failure_dir:  # where a failing rank says who is to blame (jaxdist.cluster.failures)
+        env[failures.LAUNCHER_DIR] = failure_dir
+    if cpu_devices_per_proc:
+        env.update(JAXDIST_PLATFORM="cpu", JAX_NUM_CPU_DEVICES=str(cpu_devices_per_proc))
+    if gpus_per_proc:
+        first = rank * gpus_per_proc
+        ids = range(first, first + gpus_per_proc)
+        env["JAXDIST_LOCAL_DEVICE_IDS"] = ",".join(map(str, ids))
+    return env
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+@dataclass(frozen=True)
+class Exit:
+    rank: int
+    returncode: int  # as subprocess reports it: -S for a death by signal S
+
+    @property
+    def code(self) -> int:
+        """As a shell reports it: 128 + S for a death by signal S."""
+        return 128 - self.returncode if self.returncode < 0 else self.returncode
+
+    @property
+    def preempted(self) -> bool:
+        return self.returncode == failures.PREEMPTED
+
+    def __str__(self) -> str:
+        if self.returncode == 0:
+            return f"rank {self.rank} finished"
+        if self.preempted:
+            return f"rank {self.rank} stopped for preemption (exit {failures.PREEMPTED})"
+        text = f"rank {self.rank} failed with exit code {self.code}"
+        if self.returncode < 0:
+            return f"{text}: it was killed by {signal_name(-self.returncode)}"
+        if self.returncode == failures.TERMINATED:  # jaxdist.initialize's SIGTERM handler
+            return f"{text}: it was ended by SIGTERM"
+        return text
+
+
+class Group:
+    """``nproc`` processes of ``command``, rank r with ``rank_env(r, ...)``."""
+
+    def __init__(self, command: list[str], nproc: int, out: Output, **env_options):
+        self.out = out
+        self.exits: queue.SimpleQueue[Exit] = queue.SimpleQueue()
+        self.procs: list[subprocess.Popen] = []
+        self.threads: list[threading.Thread] = []
+        self.empty: set[int] = set()  # process groups known to be empty: never signalled
+        self.guard = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", orphans.GUARD],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C or hang-up of our terminal does not reach it
+        )
+        port = free_port()
+        self.failure_dir = tempfile.mkdtemp(prefix="jaxdist-failures-")
+        env_options["failure_dir"] = self.failure_dir
+        try:
+            for rank in range(nproc):
+                self._start(rank, command, rank_env(rank, nproc, port, **env_options))
+        except BaseException:
+            self.end(0)
+            raise
+
+    def _start(self, rank: int, command: list[str], env: dict[str, str]) -> None:
+        proc = subprocess.Popen(
+            orphans.dying_with_us(command),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, children included
+        )
+        self.procs.append(proc)
+        self._tell_guard(f"add {proc.pid}")
+        for target, args in ((forward, (rank, proc.stdout, self.out)), (self._reap, (rank, proc))):
+            thread = threading.Thread(target=target, args=args, daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def _reap(self, rank: int, proc: subprocess.Popen) -> None:
+        proc.wait()
+        try:
+            os.killpg(proc.pid, 0)  # children left behind keep the pid from being reused
+        except ProcessLookupError:  # none: the pid may be reused, never signal it again
+            self.empty.add(proc.pid)
+        except PermissionError:
+            pass
+        self.exits.put(Exit(rank, proc.returncode))
+
+    def _tell_guard(self, line: str) -> None:
+        with contextlib.suppress(OSError, ValueError):  # a guard killed by someone else
+            self.guard.stdin.write(f"{line}\n".encode())
+            self.guard.stdin.flush()
+
+    def first_failure(self, timeout: float | None = None) -> Exit | None:
+        """Blocks until every process has exited 0 (None) or one has failed: the first
+        to fail, by time. Raises TimeoutError after ``timeout`` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for _ in self.procs:
+            done = self._next_exit(deadline)
+            if done.returncode:
+                return done
+        return None
+
+    def _next_exit(self, deadline: float | None) -> Exit:
+        while True:
+            try:
+                return self.exits.get(timeout=0.2)  # short waits: Ctrl-C gets through
+            except queue.Empty:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError from None
+
+    def wait_exited(self, seconds: float) -> bool:
+        """True once every process has exited; False if some still run after ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while any(proc.returncode is None for proc in self.procs):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def end(self, grace: float, *, at_once: bool = False) -> None:
+        """SIGTERM to every rank's process group, SIGKILL after ``grace`` s (also to the
+        children a rank that has exited left behind); then dismisses the guard.
+        ``at_once`` (a rank failed): SIGTERM twice. The trainer takes a first SIGTERM as a
+        request to stop cleanly and save, which cannot succeed with a peer gone, and a
+        second as "exit now" (``cluster.preemption``); 0.2 s apart, so that they do not merge
+        into one pending signal."""
+        self._signal(signal.SIGTERM)
+        for proc in self.procs:  # a stopped (frozen) rank would take SIGTERM only once resumed
+            if proc.poll() is None and _stopped(proc.pid):
+                with contextlib.suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        if at_once and not self.wait_exited(0.2):
+            self._signal(signal.SIGTERM)
+        self.wait_exited(grace)
+        self._signal(signal.SIGKILL)
+        self.wait_exited(KILL_WAIT_S)
+        for thread in self.threads:
+            thread.join(timeout=1)  # the last lines of output
+        self._tell_guard("done")
+        shutil.rmtree(self.failure_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.guard.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.guard.wait(timeout=KILL_WAIT_S)
+
+    def culprit(self, first: Exit) -> str:
+        """Who is to blame, when it is not ``first``: a rank that is stopped (SIGSTOP: it
+        cannot exit by itself), or the one its peers named (``failures.tell_launcher``)."""
+        stopped = [r for r, p in enumerate(self.procs) if p.poll() is None and _stopped(p.pid)]
+        told = failures.from_launcher_dir(Path(self.failure_dir))
+        return failures.culprit_line(first.rank, told, stopped)
+
+    def _signal(self, sig: int) -> None:
+        for proc in self.procs:
+            if proc.pid not in self.empty:
+                with contextlib.suppress(OSError):  # the group is empty: nothing to end
+                    os.killpg(proc.pid, sig)
+
+
+def _stopped(pid: int) -> bool:
+    """Linux: the process is stopped (state T), e.g. by SIGSTOP."""
+    return failures.process_state(pid) in ("T", "t")
+
+
+def run(
+    command: list[str],
+    nproc: int,
+    out: Output,
+    *,
+    grace: float = 5.0,
+    timeout: float | None = None,
+    **env_options,
+) -> Exit | None:
+    """Runs the group to its end: None when every process exited 0, else the first
+    failure, by time, once the others are ended. Ctrl-C (KeyboardInterrupt) and, after
+    ``timeout`` s, TimeoutError end them all and propagate."""
+    group = Group(command, nproc, out, **env_options)
+    first = None
+    try:
+        first = group.first_failure(timeout)
+        if first is not None and first.preempted:
+            out.say(f"{first}: the others get {grace:g}s to stop at the same step")
+            group.wait_exited(grace)
+        elif first is not None:
+            out.say(f"{first}: ending the other processes")
+            culprit = group.culprit(first)
+            if culprit:
+                out.say(culprit)
+        return first
+    except KeyboardInterrupt:
+        out.say("interrupted: ending all processes")
+        raise
+    except TimeoutError:
+        out.say(f"not finished after {timeout:g}s: ending all processes")
+        raise
+    finally:
+        group.end(grace, at_once=first is not None and not first.preempted)

@@ -1,0 +1,103 @@
+"""How jaxdist calls a user's loss function, and what it takes from the result.
+
+``loss_fn(model, batch)``, ``loss_fn(model, batch, rngs)`` or ``loss_fn(model, batch, *,
+rngs=...)`` returns a scalar ``loss`` or ``(loss, aux)``. Only a dict ``aux`` of scalars
+becomes metrics (averaged over replicas every step); any other ``aux`` (flax's examples
+return the logits) is ignored, never averaged.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdist.errors import JaxdistError, ModelError
+from jaxdist.parallel.model_axes import unbound_name
+
+# Metric names the step itself reports; health/* are read by DataParallel.check.
+RESERVED = ("loss", "grad_norm", "lr")
+
+
+def rngs_argument(loss_fn: Callable) -> str:
+    """How to pass the step's ``nnx.Rngs``: "keyword" (a parameter named ``rngs``),
+    "positional" (a third positional parameter without a default) or "none"."""
+    try:
+        params = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):  # no signature to read: the documented two arguments
+        return "none"
+    rngs = params.get("rngs")
+    if rngs is not None and rngs.kind in (rngs.POSITIONAL_OR_KEYWORD, rngs.KEYWORD_ONLY):
+        return "keyword"
+    positional = [
+        p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if len(positional) >= 3 and positional[2].default is inspect.Parameter.empty:
+        return "positional"
+    return "none"
+
+
+def describe_batch(batch) -> str:
+    """``image (4, 8, 8, 1) float32, label (4,) int32``: what a step's loss was given."""
+    if not isinstance(batch, dict):
+        return f"{type(batch).__name__} {jax.tree.map(jnp.shape, batch)}"
+    return ", ".join(
+        f"{k} {tuple(np.shape(v))} {getattr(v, 'dtype', type(v).__name__)}"
+        for k, v in batch.items()
+    )
+
+
+def normalize_loss_fn(loss_fn: Callable) -> Callable:
+    """``loss_fn`` as ``(model, batch, rngs) -> (loss, metrics)``: the loss checked to be
+    a scalar, metrics the scalar entries of a dict ``aux``. An exception raised by the
+    user's loss or model becomes one ModelError naming the function and the batch."""
+    mode = rngs_argument(loss_fn)
+    name = getattr(loss_fn, "__qualname__", None) or repr(loss_fn)
+
+    def call(model, batch, rngs):
+        try:
+            if mode == "keyword":
+                out = loss_fn(model, batch, rngs=rngs)
+            elif mode == "positional":
+                out = loss_fn(model, batch, rngs)
+            else:
+                out = loss_fn(model, batch)
+        except JaxdistError:
+            raise
+        except NameError as err:
+            if unbound_name(err) is not None:  # a model axis name: bound by jaxdist
+                raise
+            raise _user_error(name, batch, err) from err
+        except Exception as err:
+            raise _user_error(name, batch, err) from err
+        loss, aux = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+        if jnp.shape(loss) != ():
+            raise ModelError(
+                f"loss function {name} must return a scalar loss (or (loss, aux)), "
+                f"got an array of shape {jnp.shape(loss)}; take the mean over the batch"
+            )
+        return loss, scalar_metrics(aux, name)
+
+    return call
+
+
+def scalar_metrics(aux, name: str) -> dict:
+    if not isinstance(aux, dict):
+        return {}
+    clashes = [k for k in aux if k in RESERVED or str(k).startswith("health/")]
+    if clashes:
+        raise ModelError(
+            f"loss function {name} returns metrics named {', '.join(clashes)}, which jaxdist "
+            f"reports itself ({', '.join(RESERVED)}); rename them"
+        )
+    return {k: v for k, v in aux.items() if jnp.ndim(v) == 0}
+
+
+def _user_error(name: str, batch, err: Exception) -> ModelError:
+    return ModelError(
+        f"the loss function {name} (or the model it calls) raised {type(err).__name__}: "
+        f"{err}; it was given a batch of {describe_batch(batch)}"
+    )

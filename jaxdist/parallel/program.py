@@ -1,0 +1,47 @@
+"""The compiled step of one layout as an object that lowers without data
+(``StepProgram``), and abstract inputs carrying their shardings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    """The training step of one layout as one object: the jitted function and the
+    abstract inputs it is built for (``jax.ShapeDtypeStruct``s carrying their shardings).
+    It lowers and compiles without data or a real state, e.g.
+    ``program.compile().memory_analysis()`` or ``.as_text()`` for its collectives."""
+
+    fn: Callable  # jitted: (state, global batch) -> (state, metrics); donates the state
+    state: Any  # abstract TrainState
+    batch: Any  # abstract global batch
+    _compiled: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __call__(self, state, batch):
+        return self.fn(state, batch)
+
+    def lower(self) -> jax.stages.Lowered:
+        return self.fn.lower(self.state, self.batch)
+
+    def abstract_batch(self, batch):
+        """``batch``'s shapes and dtypes, laid out as this program's batches are."""
+        return abstract(batch, jax.tree.leaves(self.batch)[0].sharding)
+
+    def compile(self) -> jax.stages.Compiled:
+        if "compiled" not in self._compiled:
+            self._compiled["compiled"] = self.lower().compile()
+        return self._compiled["compiled"]
+
+
+def abstract(tree, shardings):
+    """``tree``'s shapes and dtypes with ``shardings`` (a tree, or one for all)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree
+        )
+    return jax.tree.map(lambda s, sub: abstract(sub, s), shardings, tree)

@@ -1,0 +1,215 @@
+"""The one pure training step, shared by every strategy.
+
+``train_step(state, batch) -> (state, metrics)`` sees the rows of one replica (pmap,
+shard_map) or the whole global batch (gspmd). Cross-replica averaging goes through
+``mean_over_replicas``, which is ``lax.pmean`` over the data axis in the first two and
+the identity under gspmd (where the loss is already the global mean and XLA inserts the
+all-reduce of the gradient).
+
+RNG contract: at optimizer step k, the key is ``fold_in(key(seed), k)`` (then
+``fold_in(.., d)`` on device d under pmap/shard_map, and ``fold_in(.., i)`` for
+microbatch i with grad-accum), and the model sees what flax's own
+``nnx.reseed(model, **{stream: key for each RNG stream})`` gives: every stream restarts
+from that key, and streams of one name (e.g. several ``nnx.Dropout`` layers) get
+``fold_in(key, 0)``, ``fold_in(key, 1)``, ... in graph order, so their masks differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxdist.models import stack
+from jaxdist.parallel import step_checks
+from jaxdist.parallel.collectives import mean_over_replicas, step_key, sum_over_replicas
+from jaxdist.parallel.loss_fn import normalize_loss_fn
+from jaxdist.parallel.model_axes import bind_trivially
+from jaxdist.parallel.sharding import DATA
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: nnx.State  # nnx.Param, float32 master weights
+    batch_stats: nnx.State  # nnx.BatchStat: running statistics, averaged over replicas
+    rng_state: nnx.State  # the model's RNG streams; reseeded every step, never updated
+    opt_state: optax.OptState
+
+
+def new_state(params, stats, rngs, tx: optax.GradientTransformation) -> TrainState:
+    return TrainState(jnp.zeros((), jnp.int32), params, stats, rngs, tx.init(params))
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How the step is built; everything but the model, loss and optimizer."""
+
+    grad_accum: int = 1
+    seed: int = 0
+    schedule: optax.Schedule | None = None
+    nan_policy: str = "halt"  # "halt": report, the loop stops; "skip": keep the old state
+    batch_check: Callable | None = None  # batch -> (B,) bool, True for a valid row
+    axis_name: str = DATA  # the per-device data axis under pmap/shard_map
+    trivial_axes: tuple[str, ...] = field(default=())  # model axis names bound to size 1
+    # gspmd with fsdp: params -> the layout they are used in (jaxdist.parallel.layout.gathered)
+    use_params: Callable | None = None
+    # how the model's layer stacks run (jaxdist.models.stack.runner): the pipeline's
+    # GPipe schedule under a stage axis; None: a scan
+    stack_runner: Callable | None = None
+
+
+def split_microbatches(batch, k: int):
+    """(B, ...) -> (k, B/k, ...) with microbatch i = rows i, i+k, i+2k, ...
+
+    Strided, not blocked: under gspmd the global batch is sharded on its first axis in
+    contiguous blocks of B/N rows, and a strided split keeps every microbatch's rows on
+    the device that already holds them (blocked would need an all-to-all)."""
+
+    def split(x):
+        return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+
+    return jax.tree.map(split, batch)
+
+
+def reseeded(graphdef: nnx.GraphDef, params, stats, rng_state, key: jax.Array) -> nnx.State:
+    """The model's RNG state after flax's ``nnx.reseed`` of every stream with ``key``.
+    Done on a merged copy, outside ``jax.grad`` (NNX forbids mutating a stream there)."""
+    model = nnx.merge(graphdef, params, stats, rng_state, copy=True)
+    tags = {var.tag for _, var in nnx.to_flat_state(rng_state)}
+    if tags:
+        nnx.reseed(model, policy="match_shape", **dict.fromkeys(tags, key))
+    return nnx.state(model, nnx.RngState)
+
+
+def make_loss(
+    graphdef: nnx.GraphDef, loss_fn: Callable, trivial_axes=(), stack_runner=None
+) -> Callable:
+    """``(params, stats, rng_state, batch, key) -> (loss, (metrics, new_stats))``: pure,
+    the model merged inside, its own axis names bound (see ``jaxdist.parallel.model_axes``)."""
+    loss_fn = normalize_loss_fn(loss_fn)
+
+    def loss_of(params, stats, rng_state, batch, key):
+        # copy=True: fresh Variables at this trace level, so BatchNorm may update them
+        # inside jax.grad (sharing the caller's Variables raises TraceContextError).
+        model = nnx.merge(graphdef, params, stats, rng_state, copy=True)
+        with stack.runner(stack_runner):
+            loss, metrics = loss_fn(model, batch, nnx.Rngs(key))
+        return loss, (metrics, nnx.state(model, nnx.BatchStat))
+
+    return bind_trivially(loss_of, trivial_axes)
+
+
+def make_grads(graphdef, loss_fn: Callable, options: StepOptions = StepOptions()) -> Callable:
+    """``grads(params, stats, rng_state, step, batch) -> (loss, metrics, stats, grads)``:
+    the mean over the rows it is given (one replica's, or the global batch under gspmd),
+    over ``grad_accum`` microbatches; nothing is averaged across replicas here."""
+    o = options
+    loss = make_loss(graphdef, loss_fn, o.trivial_axes, o.stack_runner)
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+    def grads_at(params, stats, rng_state, batch, key):
+        rng_state = reseeded(graphdef, params, stats, rng_state, key)
+        params = o.use_params(params) if o.use_params else params
+        (loss, (metrics, stats)), grads = grad_fn(params, stats, rng_state, batch, key)
+        return loss, metrics, stats, grads
+
+    def grads(params, stats, rng_state, step, batch):
+        key = step_key(o.seed, step, o.axis_name)
+        if o.grad_accum == 1:
+            return grads_at(params, stats, rng_state, batch, key)
+
+        def one(carry, index_and_mb):  # adds one microbatch's grads; stats carried in order
+            stats, total = carry
+            index, mb = index_and_mb
+            key_i = jax.random.fold_in(key, index)
+            loss, metrics, stats, g = grads_at(params, stats, rng_state, mb, key_i)
+            return (stats, jax.tree.map(jnp.add, total, (loss, metrics, g))), None
+
+        micro = split_microbatches(batch, o.grad_accum)
+        first = jax.tree.map(lambda x: x[0], micro)
+        shapes = jax.eval_shape(grads_at, params, stats, rng_state, first, key)
+        loss, metrics, _, g = shapes
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss, metrics, g))
+        (stats, total), _ = jax.lax.scan(one, (stats, zeros), (jnp.arange(o.grad_accum), micro))
+        # Equal-size microbatches: the mean of their means is the mean over the batch.
+        loss, metrics, g = jax.tree.map(lambda x: x / o.grad_accum, total)
+        return loss, metrics, stats, g
+
+    return grads
+
+
+def make_train_step(
+    graphdef, loss_fn: Callable, tx, options: StepOptions = StepOptions(), per_replica=None
+):
+    """``train_step(state, batch) -> (state, metrics)``. ``per_replica``: a strategy's
+    wrapper that runs ``make_grads``' function once per replica (``shard_map`` over the
+    batch axes) and returns global-batch values; without it the values are already global
+    (gspmd) or are averaged here over the bound data axis (pmap)."""
+    o = options
+    grads_fn = make_grads(graphdef, loss_fn, o)
+    if per_replica is not None:
+        grads_fn = per_replica.grads(grads_fn)
+
+    def train_step(state: TrainState, batch):
+        loss, metrics, stats, grads = grads_fn(
+            state.params, state.batch_stats, state.rng_state, state.step, batch
+        )
+        # Replicas agree on the global-batch gradient; running statistics are averaged too.
+        loss, metrics, stats, grads = mean_over_replicas((loss, metrics, stats, grads), o.axis_name)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        grad_norm, status = step_checks.grad_norm_and_health(loss, grads)
+        if o.nan_policy == "skip":  # a non-finite step leaves the state as it was
+            finite = status[step_checks.NONFINITE] == 0
+            params, opt_state, stats = step_checks.keep_if(
+                finite,
+                (params, opt_state, stats),
+                (state.params, state.opt_state, state.batch_stats),
+            )
+        if o.batch_check is not None:
+            status.update(step_checks.first_bad_row(batch, o.batch_check, o.axis_name))
+        metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, **status}
+        if o.schedule is not None:
+            metrics["lr"] = o.schedule(state.step)
+        new_state = TrainState(state.step + 1, params, stats, state.rng_state, opt_state)
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(
+    graphdef: nnx.GraphDef, eval_fn: Callable, options: StepOptions, per_replica=None
+):
+    """``eval_step(state, batch) -> sums``: ``eval_fn(model, batch) -> {name: (B,)}``
+    per-example values, summed with ``batch["mask"]`` as weights (0 on padding rows), plus
+    ``count`` = the number of real rows; summed over replicas. Means are sums / count, so
+    padding never counts, whatever the device count. ``graphdef`` is in eval mode."""
+
+    def per_example(params, stats, rng_state, batch):
+        model = nnx.merge(graphdef, params, stats, rng_state, copy=True)
+        with stack.runner(options.stack_runner):
+            return eval_fn(model, batch)
+
+    per_example = bind_trivially(per_example, options.trivial_axes)
+
+    def sums(params, stats, rng_state, batch):
+        mask = batch["mask"]  # (B,) 1.0 real, 0.0 padding
+        rows = {k: v for k, v in batch.items() if k != "mask"}
+        values = per_example(params, stats, rng_state, rows)
+        totals = {k: jnp.sum(v.astype(jnp.float32) * mask) for k, v in values.items()}
+        totals["count"] = jnp.sum(mask)
+        return sum_over_replicas(totals, options.axis_name)
+
+    if per_replica is not None:
+        sums = per_replica.sums(sums)
+
+    def eval_step(state: TrainState, batch):
+        return sums(state.params, state.batch_stats, state.rng_state, batch)
+
+    return eval_step

@@ -1,0 +1,77 @@
+"""Each strategy wires the one pure ``train_step`` (and ``eval_step``) to devices, and
+does nothing else.
+
+``layout(name, mesh)`` says where the state lives; ``wire(name, build, ...)`` returns
+the jitted step and evaluation, which ``DataParallel`` holds as a ``StepProgram``. Every
+strategy's step takes the same global batch (``shard_batch`` output, rows split over data
+and fsdp); what differs is the state's layout and where the step runs per replica:
+nowhere (gspmd: global arrays), its gradient part (shard_map: ``shard_map.PerReplica``),
+or all of it (pmap).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jax.sharding import Mesh
+
+from jaxdist.errors import ConfigError
+from jaxdist.parallel.layout import Layout
+from jaxdist.parallel.sharding import DATA
+
+NAMES = ("pmap", "shard_map", "gspmd")
+
+
+def _module(name: str):
+    if name == "pmap":
+        from jaxdist.parallel.strategies import pmap as module
+    elif name == "shard_map":
+        from jaxdist.parallel.strategies import shard_map as module
+    elif name == "gspmd":
+        from jaxdist.parallel.strategies import gspmd as module
+    else:
+        raise ConfigError(f"strategy: {name!r} is not one of {', '.join(NAMES)}")
+    return module
+
+
+def layout(name: str, mesh: Mesh, rules=(), logical_rules=None) -> Layout:
+    _module(name)  # checks the name
+    beyond_data = {a: n for a, n in mesh.shape.items() if a != DATA and n > 1}
+    if beyond_data and name == "pmap":
+        axes = ",".join(f"{a}={n}" for a, n in beyond_data.items())
+        raise ConfigError(
+            f"strategy pmap: the mesh has axes beyond data ({axes}); pmap only splits the "
+            "batch over data. Use --strategy gspmd (or shard_map) for fsdp, model or stage axes"
+        )
+    if name == "pmap":  # (N, ...): device d holds row d
+        return Layout(mesh, copies=mesh.size)
+    return Layout(mesh, rules=tuple(rules or ()), logical_rules=logical_rules)
+
+
+def wants_per_replica(name: str, mesh: Mesh, grad_accum: int, has_batch_stats: bool) -> bool:
+    """Whether the gradient is computed per replica (``shard_map.PerReplica``).
+
+    Always under shard_map. Under gspmd when XLA's partitioner alone would reduce more
+    than once per step: with grad-accum it all-reduces inside the microbatch loop (K
+    times), with pipeline stages inside the schedule's loop (once per tick and layer),
+    and under fsdp CPU's XLA all-reduces whole gradients (no reduce-scatter). Not for a
+    model with batch statistics: gspmd promises the global batch's, and per replica they
+    would be each device's. Nor with a model axis: at the boundary of the per-replica
+    region XLA gathers model-split weights whole, which costs more than it saves."""
+    if name == "shard_map":
+        return True
+    shape = mesh.shape
+    looped = grad_accum > 1 or shape.get("stage", 1) > 1
+    wanted = looped or shape.get("fsdp", 1) > 1
+    return name == "gspmd" and wanted and shape.get("model", 1) == 1 and not has_batch_stats
+
+
+def wire(name: str, build: Callable, mesh: Mesh, axis_name: str, state_sharding, per_replica):
+    """``build(per_replica) -> (train_step, eval_step)`` wired by strategy ``name``:
+    ``(step, evaluate)``, both jitted functions of (state, global batch)."""
+    module = _module(name)
+    if name == "pmap":
+        return module.wire(build, mesh, axis_name)
+    from jaxdist.parallel.strategies import gspmd
+
+    return gspmd.wire(build, mesh, state_sharding, per_replica)

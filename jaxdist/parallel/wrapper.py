@@ -1,0 +1,307 @@
+"""``DataParallel``: PyTorch's ``DDP(model)`` for a Flax model, an optax optimizer and a
+loss function. It builds the one pure step and wires it to devices by strategy."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxdist.errors import ConfigError
+from jaxdist.parallel import layout, model_axes, step_checks, strategies
+from jaxdist.parallel.host import host_value, scalars
+from jaxdist.parallel.model_source import ModelSource
+from jaxdist.parallel.program import StepProgram, abstract
+from jaxdist.parallel.saved_state import SavedState
+from jaxdist.parallel.sharding import batch_shards, batch_spec, make_mesh
+from jaxdist.parallel.step import StepOptions, TrainState, make_eval_step, make_train_step
+from jaxdist.parallel.strategies import pipeline
+from jaxdist.parallel.strategies.shard_map import PerReplica
+
+
+class Parallel:
+    """Training of one model over a mesh, in any layout: data parallel over ``data`` and
+    ``fsdp``, the state laid out by ``jaxdist.parallel.layout.state_shardings`` (fsdp, model
+    axes), a ``stage`` axis pipelined. ``DataParallel`` is the same class under the name
+    PyTorch users look for.
+
+    Args:
+      model: an ``nnx.Module``, a ``linen.Module`` (with ``example_input``), or a function
+        of no arguments returning either; a function is run inside ``jax.jit``, so the
+        state is created directly in its layout on the devices.
+      optimizer: an optax ``GradientTransformation``.
+      loss_fn: ``loss_fn(model, batch)`` -> ``loss`` or ``(loss, aux)``, the mean over the
+        rows it is given; with a parameter ``rngs`` (or a third positional one) it also
+        gets an ``nnx.Rngs`` for the step. Only a dict ``aux`` of scalars is reported.
+      mesh: from ``make_mesh()``; default all devices.
+      strategy: ``"gspmd"`` (default), ``"shard_map"`` or ``"pmap"``.
+      grad_accum: microbatches per device per step.
+      seed: base of the per-step keys; the model's RNG streams are reseeded every step as
+        ``nnx.reseed`` does (see ``jaxdist.parallel.step``): each dropout layer its own mask.
+      schedule: the optimizer's LR schedule, only to report ``lr`` in the metrics.
+      eval_fn: ``eval_fn(model, batch) -> {name: (B,) per-example values}`` for
+        ``evaluate``; e.g. ``jaxdist.losses.classification_eval``.
+      linen_train_arg: a Linen model's training flag, if not ``train``/``training``/
+        ``is_training``/``deterministic``/``use_running_average`` ("!name": True in eval).
+      sync_batch_stats: under pmap/shard_map, a model's axis name (``BatchNorm(
+        axis_name="batch")``) means the data axis (SyncBatchNorm); default: each device's
+        rows, as DDP. Under gspmd the statistics are always the global batch's.
+      nan_policy: ``"halt"``: ``check`` raises on a non-finite loss or gradient;
+        ``"skip"``: such a step leaves params, optimizer state and statistics unchanged.
+      batch_check: ``fn(batch) -> (B,) bool`` run on the devices in every step; a False
+        row makes ``check`` raise ``BadBatchError`` naming the step and the row.
+      rules, logical_rules: the layout's path rules and logical-axis table overrides
+        (``jaxdist.parallel.layout.state_shardings``).
+      microbatches: with a ``stage`` mesh axis, the GPipe schedule's microbatches (0: 4
+        per stage); the model's ``jaxdist.models.stack.Stack`` is split into stages.
+
+    Example::
+
+        dp = jaxdist.DataParallel(model, optax.adamw(1e-3), loss_fn, mesh=mesh)
+        state = dp.init_state()
+        for step, host_batch in enumerate(loader, 1):  # this process's rows, numpy
+            state, metrics = dp.step(state, jaxdist.shard_batch(host_batch, mesh))
+            dp.check(metrics, step)                    # NaN, bad rows: raises
+        trained = dp.merge(state)                      # an nnx.Module in eval mode
+    """
+
+    def __init__(
+        self,
+        model,
+        optimizer: optax.GradientTransformation,
+        loss_fn: Callable,
+        *,
+        mesh: Mesh | None = None,
+        strategy: str = "gspmd",
+        grad_accum: int = 1,
+        seed: int = 0,
+        schedule: optax.Schedule | None = None,
+        example_input=None,
+        eval_fn: Callable | None = None,
+        linen_train_arg: str | None = None,
+        sync_batch_stats: bool = False,
+        nan_policy: str = "halt",
+        batch_check: Callable | None = None,
+        rules=None,
+        logical_rules: dict | None = None,
+        microbatches: int = 0,
+    ):
+        if nan_policy not in step_checks.POLICIES:
+            raise ConfigError(f"nan_policy: {nan_policy!r} is not one of halt, skip")
+        self.mesh = make_mesh() if mesh is None else mesh
+        self.strategy = strategy
+        self.layout = strategies.layout(strategy, self.mesh, rules, logical_rules)
+        self.nan_policy = nan_policy
+        self.sync_batch_stats = sync_batch_stats
+        self.axis_bindings: dict[str, str] = {}  # the model's axis names -> what they mean
+        self._source = ModelSource(
+            model, optimizer, self.layout, example_input, seed=seed, linen_train_arg=linen_train_arg
+        )
+        self.graphdef = self._source.eval_graphdef  # merge() builds eval-mode models
+        # The stage axis: a GPipe schedule over the model's Stack (None without stages).
+        self.pipeline = pipeline.plan(
+            self.mesh, self._source.has_stack, self._source.stacked, microbatches
+        )
+        self._loss_fn, self._eval_fn, self._tx = loss_fn, eval_fn or _no_eval_fn, optimizer
+        self._options = StepOptions(grad_accum, seed, schedule, nan_policy, batch_check)
+        self._wired: tuple | None = None  # on first use: needs the batch shapes
+        self._on_new_shapes: Callable | None = None  # see on_new_batch_shapes
+        self._batch_shapes: set = set()
+        self._saved = SavedState(self.layout, self._source.one_copy_state, self.state_sharding)
+
+    @property
+    def state_sharding(self):
+        """Where each array of the state lives (``jaxdist.parallel.layout.state_shardings``)."""
+        return self._source.state_sharding
+
+    def init_state(self) -> TrainState:
+        """The initial state on the devices, in this strategy's layout: made by one compiled
+        program, so no device holds more than its copy. The model passed in is untouched."""
+        return self._source.init_state()
+
+    def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        """One optimizer step on a global batch from ``shard_batch``. Donates ``state``."""
+        program = self.program(batch)
+        if self._on_new_shapes is not None and _shapes(batch) not in self._batch_shapes:
+            self._batch_shapes.add(_shapes(batch))  # rare: a batch of new shapes
+            self._on_new_shapes(program, batch)
+        return program(state, batch)
+
+    def on_new_batch_shapes(self, callback: Callable, *, known=None) -> None:
+        """``callback(program, batch)`` runs before a step on batch shapes not seen
+        before (the step compiles anew for them); ``known``: a batch whose shapes need no
+        call. The trainer makes every process agree on the program there."""
+        self._on_new_shapes = callback
+        if known is not None:
+            self._batch_shapes.add(_shapes(known))
+
+    def check(self, metrics, step: int) -> bool:
+        """Reads the step's health (a few scalars): raises ``NonFiniteError`` (NaN or inf
+        loss or gradient, ``nan_policy="halt"``) or ``BadBatchError`` (``batch_check``);
+        returns True when the update was skipped (``nan_policy="skip"``)."""
+        names = (
+            step_checks.NONFINITE,
+            step_checks.NONFINITE_LEAF,
+            step_checks.BAD_ROW,
+            "loss",
+            "grad_norm",
+        )
+        values = scalars({k: metrics[k] for k in names if k in metrics})
+        return step_checks.check(values, step, self._source.leaf_paths, self.nan_policy)
+
+    def save(self, state: TrainState, directory, *, extra: dict | None = None, keep: int = 3):
+        """Starts an asynchronous checkpoint of ``state`` as ``directory/<state.step>``
+        (every process calls it; each writes its own shards); returns the seconds it
+        blocked. ``extra``: JSON-able values kept with it (the trainer: data position,
+        config). The newest ``keep`` checkpoints are kept. ``wait_for_saves()`` before
+        exit. Example: ``dp.save(state, "ckpt", extra={"epoch": 3})``."""
+        step = int(host_value(state.step).reshape(-1)[0])
+        return self._saved.checkpointer(directory, keep).save(step, self._saved.named(state), extra)
+
+    def restore(self, directory, *, step: int | None = None):
+        """``(state, extra)`` from the newest checkpoint in ``directory`` that passes its
+        fingerprints (or checkpoint ``step``), in this Parallel's layout, whatever mesh
+        or process count saved it; None if there is none. A damaged checkpoint is skipped
+        with a warning; a checkpoint of another model raises ``ConfigError``."""
+        found = self._saved.restore(directory, step)
+        if found is None:
+            return None
+        _, arrays, meta = found
+        extra = {k: v for k, v in meta.items() if k not in ("step", "tree", "fingerprints")}
+        return self._saved.state(arrays), extra
+
+    @property
+    def damaged_checkpoints(self) -> list[tuple[int, str]]:
+        """``(step, what is wrong)`` of each damaged checkpoint the last ``restore``
+        passed over for an older one."""
+        return list(self._saved.skipped)
+
+    def wait_for_saves(self) -> None:
+        """Blocks until every checkpoint started by ``save`` is complete on disk."""
+        self._saved.wait()
+
+    def evaluate(self, state: TrainState, batch) -> dict[str, float]:
+        """Sums of ``eval_fn``'s per-example values over the rows of a global batch whose
+        ``mask`` (from ``EvalSampler``) is 1, and ``count``, the number of such rows."""
+        return scalars(self._wire(batch)[1](state, batch))
+
+    def program(self, batch) -> StepProgram:
+        """The compiled training step for global batches shaped like ``batch`` (arrays or
+        ``jax.ShapeDtypeStruct``s): ``.lower()``, ``.compile()`` (``memory_analysis()``,
+        ``as_text()``, ``cost_analysis()``) need no data and no real state."""
+        return self._wire(batch)[0]
+
+    def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
+        """The lowered step, e.g. ``dp.lower(state, batch).compile().as_text()``."""
+        return self.program(batch).fn.lower(state, batch)
+
+    def lower_init(self) -> jax.stages.Lowered:
+        """The lowered ``init_state`` program, e.g. for its ``memory_analysis()``."""
+        return self._source.lower_init()
+
+    def unreplicate(self, state: TrainState) -> TrainState:
+        """One whole copy of the state (pmap keeps one per device; sharded arrays are
+        gathered), readable on every process."""
+        return self.layout.one_copy(state)
+
+    def metrics(self, metrics) -> dict[str, float]:
+        """Device metrics -> Python floats (waits for the step to finish)."""
+        return scalars({k: v for k, v in metrics.items() if not k.startswith("health/")})
+
+    def host_params(self, state: TrainState) -> dict[str, np.ndarray]:
+        """The parameters as numpy on this host, keyed by path ("layers/0/kernel")."""
+        flat = nnx.to_flat_state(self.unreplicate(state).params)
+        return {"/".join(map(str, path)): host_value(var.get_value()) for path, var in flat}
+
+    def merge(self, state: TrainState) -> nnx.Module:
+        """The trained model as an ``nnx.Module`` in eval mode (dropout off, running
+        statistics used and never updated, Linen models called with their eval flag)."""
+        one = self.unreplicate(state)
+        return nnx.merge(self.graphdef, one.params, one.batch_stats, one.rng_state)
+
+    def _wire(self, batch) -> tuple[StepProgram, Callable]:
+        if self._wired is None:
+            self._wired = self._build_steps(batch)
+        return self._wired
+
+    def _build_steps(self, batch) -> tuple[StepProgram, Callable]:
+        """Finds the model's axis names on the first batch, then builds and wires the steps."""
+        names = model_axes.names_used(
+            self._source.abstract_loss(self._loss_fn),
+            *self._source.abstract_args(self._example_rows(batch)),
+        )
+        per_replica = strategies.wants_per_replica(
+            self.strategy,
+            self.mesh,
+            self._options.grad_accum,
+            self._source.has_batch_stats or names,
+        )
+        axis_name, trivial, self.axis_bindings = model_axes.plan(
+            names, self.strategy, self.sync_batch_stats
+        )
+        if self.axis_bindings and jax.process_index() == 0:
+            bound = "; ".join(f"{n!r} -> {what}" for n, what in self.axis_bindings.items())
+            print(f"jaxdist: the model's axis names: {bound}", flush=True)
+        replicas = None
+        pipelined = bool(self.pipeline and self.pipeline.microbatches)
+        if per_replica:  # fsdp gathers a Stack's layers one at a time, unless pipelined
+            by_layer = None if pipelined else self._source.by_layer
+            replicas = PerReplica(self.mesh, self.state_sharding.params, axis_name, by_layer)
+            axis_name = replicas.axis
+        options = dataclasses.replace(
+            self._options, axis_name=axis_name, trivial_axes=tuple(trivial)
+        )
+        if replicas is not None and not pipelined and self._source.has_stack:
+            options = dataclasses.replace(options, stack_runner=replicas.layer_runner)
+        if pipelined:
+            rows = jax.tree.leaves(batch)[0].shape[0]
+            self.pipeline.check_rows(rows, batch_shards(self.mesh), self._options.grad_accum)
+            runner = functools.partial(
+                pipeline.gpipe, mesh=self.mesh, microbatches=self.pipeline.microbatches
+            )
+            options = dataclasses.replace(options, stack_runner=runner)
+        if not per_replica and self.strategy == "gspmd" and self.mesh.shape.get("fsdp", 1) > 1:
+            use_params = layout.fsdp_use(self.state_sharding.params)
+            options = dataclasses.replace(options, use_params=use_params)
+
+        def build(replicas):
+            source = self._source
+            return (
+                make_train_step(source.train_graphdef, self._loss_fn, self._tx, options, replicas),
+                make_eval_step(source.eval_graphdef, self._eval_fn, options, replicas),
+            )
+
+        step, evaluate = strategies.wire(
+            self.strategy, build, self.mesh, axis_name, self.state_sharding, replicas
+        )
+        abstract_state = abstract(self._source.abstract_state, self.state_sharding)
+        abstract_batch = abstract(batch, NamedSharding(self.mesh, batch_spec(self.mesh)))
+        return StepProgram(step, abstract_state, abstract_batch), evaluate
+
+    def _example_rows(self, batch):
+        """Abstract rows as one loss call sees them: per device (pmap, shard_map) and per
+        microbatch, e.g. global (64, T) on 8 devices with grad-accum 2 -> (4, T)."""
+        per_call = batch_shards(self.mesh) if self.strategy != "gspmd" else 1
+        per_call *= self._options.grad_accum
+        if isinstance(batch, dict):
+            batch = {k: v for k, v in batch.items() if k != "mask"}
+        return jax.tree.map(
+            lambda v: jax.ShapeDtypeStruct((v.shape[0] // per_call, *v.shape[1:]), v.dtype), batch
+        )
+
+
+DataParallel = Parallel  # PyTorch's DDP-shaped name; one class, one code path
+
+
+def _shapes(batch) -> tuple:
+    return tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch))
+
+
+def _no_eval_fn(model, batch):
+    raise TypeError("DataParallel.evaluate needs DataParallel(..., eval_fn=...)")

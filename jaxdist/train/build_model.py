@@ -1,0 +1,112 @@
+"""The command line's model registry (``--model``): built-in names and user factories
+``package.module:function``, built from the ``model`` config section.
+
+Models know nothing of devices or strategies. Each comes with a *task* that picks
+the synthetic data and the default loss: ``classify`` (x (B, F) -> logits (B, C)) or
+``lm`` (tokens (B, T) -> logits (B, T, vocab)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdist.data.text import BYTE_VOCAB
+from jaxdist.errors import ConfigError
+from jaxdist.train.config import ModelConfig
+from jaxdist.train.factories import bind, import_object, parse_model_args
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    factory: Callable[[ModelConfig, nnx.Rngs], nnx.Module]
+    task: str  # "classify" or "lm"
+
+
+def _mlp(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    from jaxdist.models.mlp import MLP
+
+    return MLP(
+        cfg.in_features, cfg.hidden, cfg.depth, cfg.num_classes, dtype=compute_dtype(cfg), rngs=rngs
+    )
+
+
+def _gpt(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    from jaxdist.models.gpt import GPT
+
+    return GPT(
+        cfg.vocab_size or BYTE_VOCAB,
+        cfg.seq_len,
+        cfg.d_model,
+        cfg.n_layers,
+        cfg.n_heads,
+        dtype=compute_dtype(cfg),
+        attention=attention_kernel(cfg),
+        scan_layers=cfg.scan_layers,
+        remat=cfg.remat,
+        rngs=rngs,
+    )
+
+
+BUILTIN = {"mlp": ModelSpec(_mlp, "classify"), "gpt": ModelSpec(_gpt, "lm")}
+
+
+def attention_kernel(cfg: ModelConfig) -> str:
+    """``auto``: cuDNN's fused flash attention on GPU in bf16 (jax.nn.dot_product_attention
+    itself defaults to the XLA kernel, about half the speed on an H100), else XLA."""
+    if cfg.attention != "auto":
+        return cfg.attention
+    import jax
+
+    return "cudnn" if jax.default_backend() == "gpu" and cfg.dtype == "bfloat16" else "xla"
+
+
+def compute_dtype(cfg: ModelConfig):
+    return jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
+
+
+def model_task(cfg: ModelConfig) -> str:
+    """``classify`` or ``lm``: which data and default loss the model takes. A user
+    factory's is ``model.task`` (``auto``: classification)."""
+    if cfg.task != "auto":
+        return cfg.task
+    return BUILTIN[cfg.name].task if cfg.name in BUILTIN else "classify"
+
+
+def model_factory(cfg: ModelConfig, seed: int) -> Callable[[], object]:
+    """The model as a zero-argument builder, its arguments checked now: DataParallel calls
+    it inside ``jax.jit``, so the parameters are made where they will live.
+
+    A user factory ``package.module:function`` (or a model class) is called by parameter
+    name: ``rngs`` gets ``nnx.Rngs(seed)``, ``config`` (or ``model_config``, ``cfg``) the
+    ModelConfig, any other parameter a value from ``--model-args`` or its default. It
+    returns an ``nnx.Module`` or a ``linen.Module``."""
+    if cfg.name in BUILTIN:
+        if cfg.model_args:
+            raise ConfigError(
+                f"--model-args {cfg.model_args!r}: only for a factory package.module:function; "
+                f"--model {cfg.name} takes its sizes from their own flags"
+            )
+        build = BUILTIN[cfg.name].factory
+        return lambda: build(cfg, nnx.Rngs(seed))
+    if ":" not in cfg.name:
+        raise ConfigError(
+            f"model.name: {cfg.name!r} is not one of {', '.join(BUILTIN)} "
+            "and not a factory 'package.module:function'"
+        )
+    factory = import_object(cfg.name, "--model")
+    if not callable(factory):
+        raise ConfigError(f"--model {cfg.name!r} is not callable")
+    supplied = {"rngs": lambda: nnx.Rngs(seed)}
+    supplied.update(dict.fromkeys(("config", "model_config", "cfg"), lambda: cfg))
+    extra = parse_model_args(cfg.model_args)
+    return bind(factory, f"--model {cfg.name}", supplied, extra, fallback="rngs")
+
+
+def build_model(cfg: ModelConfig, seed: int):
+    """(module, task), built now: the module may be NNX or Linen (``jaxdist.as_nnx``
+    adapts it)."""
+    return model_factory(cfg, seed)(), model_task(cfg)

@@ -1,0 +1,288 @@
+"""Typed, nested run configuration: dataclasses, a YAML file, and CLI overrides.
+
+Every leaf field is a CLI flag (``train.global_batch_size`` -> ``--global-batch-size``;
+the dotted form ``--train.global_batch_size`` works too). Precedence: defaults < YAML < CLI.
+Unknown keys and bad values raise ``ConfigError``; the command turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from jaxdist.errors import ConfigError
+from jaxdist.train.config_checks import coerce, flag_name, validate
+
+Strategy = Literal["pmap", "shard_map", "gspmd"]
+
+
+@dataclass
+class ModelConfig:
+    # built-in name ("mlp", "gpt") or a user factory "package.module:function"
+    name: str = field(default="mlp", metadata={"flag": "--model"})
+    # what the model does, so which data and default loss: auto = gpt -> lm, else classify
+    task: Literal["auto", "classify", "lm"] = "auto"
+    # a user factory's other parameters: "num_classes=10,widths=[64,64]" (YAML values)
+    model_args: str = ""
+    # "" -> the task's default; or a user loss "package.module:function"
+    loss: str = ""
+    # Linen: the __call__ argument that switches training mode; "" = detect train/training/
+    # deterministic/use_running_average; "!name": the argument is True in eval
+    linen_train_arg: str = ""
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
+    # mlp: synthetic classification, inputs (B, in_features) -> (B, num_classes)
+    in_features: int = 32
+    hidden: int = 128
+    depth: int = 2
+    num_classes: int = 10
+    # gpt: decoder-only transformer, tokens (B, seq_len) -> logits (B, seq_len, vocab_size)
+    vocab_size: int = 0  # 0 = the data's (bytes + end of document: 257)
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    # attention kernel: auto = cuDNN flash attention where it applies (GPU, bf16), else XLA
+    attention: Literal["auto", "cudnn", "xla"] = "auto"
+    # hold the blocks stacked, (n_layers, ...), run by one scan (always with --mesh stage=S)
+    scan_layers: bool = False
+    # activation checkpointing of each block: none | block (keep matmul outputs) | full
+    remat: Literal["none", "block", "full"] = "none"
+
+
+@dataclass
+class DataConfig:
+    # "" = the task's default (lm: the standard library corpus; classify: synthetic), or
+    # synthetic | grammar | stdlib | FILE.bin/.npy (tokens) | FILE.npz | text files, folders
+    # or globs, comma-separated | package.module:factory (see jaxdist/data/build.py)
+    path: str = field(default="", metadata={"flag": "--data"})
+    eval_path: str = field(default="", metadata={"flag": "--eval-data"})  # held-out file
+    token_dtype: Literal["auto", "uint16", "uint32"] = "auto"  # .bin ids; auto: sidecar
+    npz_inputs: str = "x"  # .npz array names
+    npz_labels: str = "y"
+    eval_fraction: float = 0.02  # text: share of files held out (by file)
+    last_batch: Literal["drop", "wrap"] = "drop"  # an epoch's last partial global batch
+    prefetch: int = 2  # device batches built ahead by a background thread
+    cache_dir: str = ""  # prepared text; "" = $JAXDIST_CACHE or ~/.cache/jaxdist
+    num_examples: int = 16384  # synthetic classification: training examples
+    eval_examples: int = 2048  # synthetic classification: held-out examples
+
+
+@dataclass
+class OptimConfig:
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 3e-3  # at base_batch_size; scaled by lr_scaling to the global batch
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    base_batch_size: int = 0  # 0: the global batch size (no scaling)
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    weight_decay: float = 0.01
+    momentum: float = 0.9  # sgd only
+    clip_norm: float = 1.0  # global-norm clipping; 0 disables
+
+
+@dataclass
+class TrainConfig:
+    strategy: Strategy = "gspmd"
+    steps: int = 200
+    global_batch_size: int = 64  # across all devices and processes
+    grad_accum: int = 1  # microbatches per device per optimizer step
+    seed: int = 0
+    log_every: int = 10
+    run_dir: str = ""  # "" -> runs/<model>-<strategy>-<time>
+    cpu_devices: int = 0  # >0: emulate this many CPU devices (set before jax starts)
+    num_devices: int = 0  # >0: use only the first N devices; 0: all
+    # the mesh, "data=2,fsdp=2,model=2" (axes data, stage, fsdp, model; one may be -1);
+    # "": every device on data. pmap takes data only.
+    mesh: str = ""
+    rules: str = ""  # YAML file of [regex on a param path, [axis or null per dim]] pairs
+    # pipeline (--mesh stage=S): microbatches of the GPipe schedule; 0 = 4 x S
+    microbatches: int = 0
+    save_params: str = ""  # write the final params to this .npz (process 0)
+    eval_every: int = 0  # run the held-out set every N steps and at the end; 0 = never
+    eval_batch_size: int = 0  # global; 0 = global_batch_size
+    # a step whose loss or gradient is NaN/inf: halt (exit 1) or skip its update
+    nan_policy: Literal["halt", "skip"] = "halt"
+    # pmap/shard_map: a BatchNorm axis_name means the data axis (SyncBatchNorm); default:
+    # each device's rows
+    sync_batch_stats: bool = False
+    # orbax checkpoints in RUN_DIR/checkpoints every N steps, at the end and on preemption
+    # (SIGUSR1/SIGTERM); 0: only at the end and on preemption
+    checkpoint_every: int = 500
+    keep: int = 3  # the newest checkpoints kept
+    # auto: continue from the newest good checkpoint in the run dir; never: refuse a run
+    # dir that has checkpoints
+    resume: Literal["auto", "never"] = "auto"
+    overwrite: bool = False  # start afresh in a run dir that holds an earlier run
+    # XLA's persistent compilation cache, shared by runs: "" = the jaxdist cache's xla/
+    # ($JAXDIST_CACHE or ~/.cache/jaxdist); "off": none
+    compile_cache: str = ""
+    # what a run shows: TensorBoard event files in RUN_DIR/tb (process 0)
+    tensorboard: bool = True
+    # "START:STOP": a jax.profiler trace of those steps in RUN_DIR/profile
+    profile: str = ""
+    profile_all_processes: bool = False  # every process traces (RUN_DIR/profile/process_N)
+    peak_tflops: float = 0.0  # one device's peak, for MFU; 0: from the device table
+
+
+@dataclass
+class DistConfig:
+    # The process group; empty: SLURM, then JAXDIST_* / MASTER_ADDR... environment, else one.
+    coordinator: str = ""  # HOST:PORT of process 0 (PyTorch: MASTER_ADDR:MASTER_PORT)
+    num_processes: int = 0  # (PyTorch: WORLD_SIZE, counted in processes)
+    process_id: int = -1  # (PyTorch: RANK)
+    local_device_ids: str = ""  # "0,1": this process's GPUs (PyTorch: LOCAL_RANK)
+    init_timeout: float = 300.0  # s to wait for every process to join
+    heartbeat_timeout: float = 100.0  # s without a heartbeat before a peer counts as dead
+    # where process 0's coordination service listens; "": the coordinator address's host
+    # (JAX's default, every interface, under SLURM)
+    coordinator_bind_address: str = ""
+    # health (jaxdist.health.watchdog, agreement, replica_check, peers); off: JAX's own behaviour
+    health: bool = True
+    # s a training step or evaluation batch may take; 0: max(300 s, 20 x the median step)
+    step_timeout: float = 0.0
+    # s for set-up, the steps that compile and checkpoint saves
+    slow_phase_timeout: float = 1800.0
+    # compare the data-parallel replicas of every parameter every N steps and before each
+    # checkpoint; 0: never
+    check_replicas_every: int = 100
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _leaf_fields() -> list[tuple[str, dataclasses.Field, Any]]:
+    """(section, field, resolved type) for every leaf of the config tree."""
+    out = []
+    for section, cls in _section_classes().items():
+        hints = typing.get_type_hints(cls)
+        out.extend((section, f, hints[f.name]) for f in dataclasses.fields(cls))
+    return out
+
+
+def from_dict(tree: dict) -> Config:
+    """Builds a Config from a nested dict, refusing unknown sections and keys."""
+    classes = _section_classes()
+    sections = {}
+    for name, values in (tree or {}).items():
+        if name not in classes:
+            raise ConfigError(f"unknown config section {name!r}; allowed: {', '.join(classes)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section {name!r} must be a mapping, got {values!r}")
+        cls = classes[name]
+        hints = typing.get_type_hints(cls)
+        for key in values:
+            if key not in hints:
+                raise ConfigError(
+                    f"unknown config key {name}.{key}; allowed: {', '.join(sorted(hints))}"
+                )
+        sections[name] = cls(**{k: coerce(f"{name}.{k}", v, hints[k]) for k, v in values.items()})
+    config = Config(**sections)
+    validate(config)
+    return config
+
+
+def to_dict(config: Config) -> dict:
+    return dataclasses.asdict(config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxdist.train",
+        description="Data-parallel training of a Flax model on every visible device.",
+    )
+    parser.add_argument("--config", help="YAML file with sections model/optim/train")
+    for section, f, typ in _leaf_fields():
+        kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
+        if typing.get_origin(typ) is Literal:
+            kwargs["choices"] = typing.get_args(typ)
+        elif typ is bool:  # "--flag" alone means true; "--flag false" also works
+            kwargs.update(type=_cli_bool, nargs="?", const=True)
+            no_flag = "--no-" + flag_name(f).removeprefix("--")  # and "--no-flag"
+            parser.add_argument(
+                no_flag,
+                dest=kwargs["dest"],
+                action="store_const",
+                const=False,
+                default=argparse.SUPPRESS,
+                help=f"{section}.{f.name} = false",
+            )
+        else:
+            kwargs["type"] = typ if typ in (int, float) else str
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kwargs["help"] = f"{section}.{f.name} (default: {default!r})"
+        parser.add_argument(flag_name(f), f"--{section}.{f.name}", **kwargs)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """CLI -> Config. argparse errors exit 2 by themselves; ours raise ConfigError."""
+    args = vars(build_parser().parse_args(argv))
+    tree: dict[str, dict] = {}
+    if args.get("config"):
+        loaded = load_yaml(Path(args["config"]))
+        tree = {k: dict(v) if isinstance(v, dict) else v for k, v in loaded.items()}
+    args.pop("config", None)
+    for dotted, value in args.items():
+        section, key = dotted.split(".", 1)
+        tree.setdefault(section, {})[key] = value
+    return from_dict(tree)
+
+
+def _cli_bool(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1", "yes")
+
+
+def load_yaml(path: Path) -> dict:
+    """The ``--config`` file as a mapping. Plain YAML only (``yaml.safe_load``: a
+    ``!!python/...`` tag is refused); any problem is one ConfigError naming the file and,
+    for bad YAML, the line, the column and the problem."""
+    if not path.is_file():
+        raise ConfigError(f"--config: no such file {path}")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(f"--config {path}: cannot read it: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"--config {path}: not UTF-8 text: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--config {path}: {_yaml_problem(err)}") from None
+    if not isinstance(loaded, dict | None):
+        raise ConfigError(f"--config {path}: top level must be a mapping")
+    return loaded or {}
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """``line 3, column 7: mapping values are not allowed here``: YAML's own message
+    without its excerpt of the file."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    problem = getattr(err, "problem", None) or " ".join(str(err).split())
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    if "tag:yaml.org,2002:python/" in problem:
+        problem += " (Python tags are not read: write plain values)"
+    return f"not valid YAML: {where}{problem}"
+
+
+def save(config: Config, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))

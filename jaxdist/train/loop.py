@@ -1,0 +1,227 @@
+"""The training loop of ``python -m jaxdist.train``: steps, per-step health checks, log
+records and evaluation, on a ``Run`` that ``jaxdist.train.setup`` built. What it reports
+goes out as events (``jaxdist.sinks.events``) to the run's sinks."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import jaxdist
+from jaxdist import data as data_lib
+from jaxdist import flops as flops_lib
+from jaxdist.checkpoint import run_directory
+from jaxdist.cluster.preemption import StopFlag
+from jaxdist.losses import eval_metrics
+from jaxdist.sinks import Sinks
+from jaxdist.sinks.events import (
+    CheckpointSaved,
+    Compiled,
+    EvalMetrics,
+    StepFlops,
+    StepMetrics,
+    StepStarting,
+    Stopped,
+)
+from jaxdist.train import build_data, resume
+from jaxdist.train.config import Config
+from jaxdist.train.run_health import RunHealth
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built once by ``setup``."""
+
+    config: Config
+    info: jaxdist.ProcessInfo
+    mesh: jax.sharding.Mesh
+    task: str
+    dp: jaxdist.Parallel
+    state: jaxdist.TrainState  # on the devices, in the strategy's layout
+    data: build_data.Data
+    batches: data_lib.Prefetcher  # device batches, built ahead in a background thread
+    peak_lr: float
+    stop: StopFlag  # SIGUSR1/SIGTERM: every process stops after the same step
+    run_dir: Path | None  # None: no files, no checkpoints
+    begin: resume.Start  # the step the loop starts after (0, or a restored checkpoint's)
+    health: RunHealth  # the watchdog's phases, replica checks, injected faults
+    history: list[dict] = field(default_factory=list)
+    skipped: int = 0  # steps whose update --nan-policy skip left out
+    compile_s: float = 0.0  # the first step, with compilation
+    elapsed_s: float = 0.0  # the whole loop
+    flops: StepFlops | None = None  # FLOPs per step and peak, known after the first step
+    saves: int = 0  # checkpoints started
+    evaluations: int = 0
+
+
+def loop(run: Run, sinks: Sinks) -> int | None:
+    """The training loop from the step after ``run.begin.step``; returns the step it
+    stopped after on a stop signal (a checkpoint of it saved), or None."""
+    cfg = run.config.train
+    state, pending = run.state, None  # pending: (step, metrics) not checked yet
+    steps_since, waited_s = 0, 0.0  # since the last log line
+    t_start = t_last = time.perf_counter()
+    first = run.begin.step + 1
+    watch = run.health.watch  # a phase's deadline runs from its start (the first: compiles)
+    for step in range(first, cfg.steps + 1):
+        sinks.emit(StepStarting(step))
+        watch.phase("data", step, slow=step == first)
+        batch, wait_s = next(run.batches)  # built and on the devices already, normally
+        state = run.health.faults.before_step(step, state)
+        watch.phase("step", step, slow=step == first)
+        state, metrics = run.dp.step(state, batch)
+        stop_after = run.stop.stop_after(step)  # the same step on every process
+        stopping = stop_after is not None and step >= stop_after
+        if pending is not None:
+            # One step behind: reading the previous step's health waits for it, so the loop
+            # stays at most one step ahead of the devices (time spent waiting for data is
+            # then time the devices might have idled) and a bad step stops the run at once.
+            check(run, *pending)
+        pending = (step, metrics)
+        steps_since, waited_s = steps_since + 1, waited_s + wait_s
+        last = step == cfg.steps or stopping
+        eval_now = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
+        if step == first or step % cfg.log_every == 0 or last or eval_now:
+            check(run, *pending)  # waits for this step
+            pending = None
+            if step == first:  # the first step also compiles: timed apart
+                run.flops = flops_lib.for_run(run, batch)  # its compiled step: cached
+                t_last = time.perf_counter()
+                run.compile_s = t_last - t_start
+                sinks.emit(Compiled(step, run.compile_s, run.flops))
+            values = log_values(run, metrics, step, steps_since, waited_s, t_last, step == first)
+            timed_s = run.compile_s if step == first else values["step_time_s"] * steps_since
+            if eval_now:
+                values.update(evaluate_at(run, state, step, sinks))
+            run.history.append(values)
+            timing = (steps_since, timed_s, waited_s, step == first)  # first: compiling
+            sinks.emit(StepMetrics(step, values, *timing))
+            t_last, steps_since, waited_s = time.perf_counter(), 0, 0.0
+        saving = last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
+        compare = run.health.wants_check(step, saving=saving)
+        if (saving or compare) and pending is not None:  # a checkpoint holds checked steps only
+            check(run, *pending)
+            pending = None
+        # Replica checks: step time, or the checkpoint's when before a save.
+        checked_s = check_replicas(run, state, step) if compare else 0.0
+        if saving:  # not step time; the last: on disk
+            t_last += save(run, state, step, sinks, wait=last, checked_s=checked_s)
+        if stopping:
+            run.state, run.elapsed_s = state, time.perf_counter() - t_start
+            return step
+    # Every step has been checked: the last one is always logged.
+    run.state, run.elapsed_s = state, time.perf_counter() - t_start
+    return None
+
+
+def save(run: Run, state, step: int, sinks: Sinks, *, wait: bool, checked_s: float) -> float:
+    """Starts a checkpoint of ``state`` (every process; the loop waits only while the
+    arrays are copied off the devices), or with ``wait`` finishes it before returning;
+    returns the seconds the loop was blocked, the replica check just before it
+    (``checked_s``) included."""
+    if run.run_dir is None:
+        return 0.0
+    started = time.perf_counter() - checked_s
+    extra = resume.extra(run.config, step, len(run.data.train))
+    run.health.watch.phase("save", step)
+    with run.stop.busy():
+        checkpoints = run.run_dir / run_directory.CHECKPOINTS
+        run.dp.save(state, checkpoints, extra=extra, keep=run.config.train.keep)
+        if wait:
+            run.dp.wait_for_saves()
+    run.saves += 1
+    blocked_s = time.perf_counter() - started
+    sinks.emit(CheckpointSaved(step, blocked_s=blocked_s))
+    return blocked_s
+
+
+def check(run: Run, step: int, metrics) -> None:
+    """Raises for a step with bad rows or (``--nan-policy halt``) a non-finite update;
+    counts the steps ``--nan-policy skip`` left out. Waits for the step: its end is
+    progress for the watchdog."""
+    if run.dp.check(metrics, step):
+        run.skipped += 1
+    run.health.watch.completed(step)
+
+
+def check_replicas(run: Run, state, step: int) -> float:
+    """The replica fingerprints (``--check-replicas-every``, and before a checkpoint);
+    returns the seconds it took (not step time). The first compiles: a slow phase."""
+    started = time.perf_counter()
+    run.health.watch.phase("check", step, slow=run.health.first_check)
+    run.health.check_replicas(run.dp, state, step)
+    return time.perf_counter() - started
+
+
+def log_values(run: Run, metrics, step, steps_since, waited_s, t_last, compiling) -> dict:
+    """One metrics.jsonl record: the step's metrics, speed, MFU, device memory and data
+    wait."""
+    cfg = run.config.train
+    values = run.dp.metrics(metrics)  # the step has finished: it was checked
+    now = time.perf_counter()
+    step_time = run.compile_s if compiling else (now - t_last) / steps_since
+    values.update(
+        step=step,
+        step_time_s=step_time,
+        samples_per_s=cfg.global_batch_size / step_time,
+        skipped_steps=run.skipped,
+    )
+    if run.task == "lm":
+        values["tokens_per_s"] = values["samples_per_s"] * run.config.model.seq_len
+    if not compiling:  # the time the step waited for input, per step and as a share
+        values["data_wait_s"] = waited_s / steps_since
+        values["data_wait_frac"] = waited_s / (now - t_last)
+        mfu = run.flops.mfu(step_time) if run.flops else None
+        if mfu is not None:
+            values["mfu"] = mfu
+    memory_gb = flops_lib.device_memory_gb()
+    if memory_gb is not None:
+        values["memory_gb"] = memory_gb
+    return values
+
+
+def evaluate_at(run: Run, state, step: int, sinks: Sinks) -> dict[str, float]:
+    """The held-out metrics (``eval_*``), timed and emitted."""
+    started = time.perf_counter()
+    with run.stop.busy():
+        held_out = evaluate(run, state)
+    values = {k.removeprefix("eval_"): v for k, v in held_out.items()}
+    sinks.emit(EvalMetrics(step, values, time.perf_counter() - started))
+    return held_out
+
+
+def evaluate(run: Run, state) -> dict[str, float]:
+    """The held-out metrics: every example counted once (padding masked), on any mesh."""
+    cfg = run.config.train
+    sampler = jaxdist.EvalSampler(
+        len(run.data.eval), cfg.eval_batch_size or cfg.global_batch_size, mesh=run.mesh
+    )
+    totals: dict[str, float] = {}
+    for host_batch in data_lib.eval_batches(run.data.eval, sampler):
+        # Each batch is progress; the first of the run compiles the evaluation step.
+        run.health.watch.phase("eval", run.evaluations, slow=not run.evaluations)
+        sums = run.dp.evaluate(state, jaxdist.shard_batch(host_batch, run.mesh))
+        run.evaluations += 1
+        for name, value in sums.items():  # summed in float64 on the host
+            totals[name] = totals.get(name, 0.0) + value
+    return eval_metrics(totals, run.data.byte_level)
+
+
+def finish(run: Run, sinks, stopped_at: int | None) -> None:
+    """After the loop: the last checkpoint on disk, the params saved, the summary."""
+    cfg = run.config.train
+    run.batches.close()
+    run.health.watch.phase("save", stopped_at or cfg.steps)  # the last step trained
+    run.dp.wait_for_saves()  # the last checkpoint is on disk before we say done
+    if cfg.save_params and stopped_at is None:
+        params = run.dp.host_params(run.state)  # every process: sharded arrays are gathered
+        if jaxdist.is_main_process():
+            Path(cfg.save_params).parent.mkdir(parents=True, exist_ok=True)
+            np.savez(cfg.save_params, **params)
+    sinks.emit(Stopped(run.history[-1]["step"] if run.history else run.begin.step,
+                       early=stopped_at is not None))  # fmt: skip
+    sinks.close()

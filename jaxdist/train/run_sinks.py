@@ -1,0 +1,81 @@
+"""Which sinks the trainer's run reports to (``jaxdist.sinks``), and what opens its
+loop: the lines saying what runs where, and the ``Started`` event."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+
+import jaxdist
+from jaxdist.checkpoint import run_directory
+from jaxdist.parallel.sharding import batch_shards
+from jaxdist.sinks import Note, Resumed, Sinks, Started
+from jaxdist.train import config as config_lib
+from jaxdist.train import config_checks
+from jaxdist.train.config import Config
+from jaxdist.train.loop import Run
+
+
+def make_sinks(config: Config, run: Run, quiet: bool, clock_start: float) -> Sinks:
+    """Where the run's events go. Process 0: metrics.jsonl, goodput.json, TensorBoard
+    (with a run directory) and the terminal (unless quiet); the profiler on process 0,
+    or on every process with --profile-all-processes."""
+    from jaxdist.sinks import GoodputFile, Ledger, MetricsFile, Profiler, TensorBoard, Terminal
+
+    cfg, run_dir = config.train, run.run_dir
+    resumed = run.begin.step or None  # metrics.jsonl is kept up to that step
+    sinks = []
+    is_main = jaxdist.is_main_process()
+    write = run_dir is not None and is_main
+    if write:
+        sinks.append(
+            MetricsFile(
+                partial(run_directory.create, run_dir, partial(config_lib.save, config), resumed)
+            )
+        )
+    goodput = GoodputFile(run_dir, clock_start) if write else Ledger(clock_start)
+    sinks.append(goodput)
+    if write and cfg.tensorboard:
+        sinks.append(TensorBoard(run_dir / "tb"))
+    if cfg.profile and run_dir is not None and (is_main or cfg.profile_all_processes):
+        start, stop = config_checks.profile_range(cfg.profile, cfg.steps)
+        index = jax.process_index()
+        log_dir = run_dir / "profile" / (f"process_{index}" if index else "")
+        sinks.append(Profiler(log_dir, start, stop))
+    if is_main and not quiet:
+        sinks.append(Terminal(goodput))
+    return Sinks(sinks)
+
+
+def started(config: Config, run: Run) -> Started:
+    cfg, task = config.train, run.task
+    return Started(
+        total_steps=cfg.steps,
+        first_step=run.begin.step + 1,
+        config=config_lib.to_dict(config),
+        samples_per_step=cfg.global_batch_size,
+        tokens_per_step=cfg.global_batch_size * config.model.seq_len if task == "lm" else 0,
+    )
+
+
+def announce(run: Run, sinks) -> None:
+    """The lines that open a run: layout and batch, health's deadlines, a resume."""
+    cfg, run_dir = run.config.train, run.run_dir
+    shards = batch_shards(run.mesh)
+    sinks.emit(
+        Note(
+            f"jaxdist: {cfg.strategy} on {run.mesh.size} {run.info.platform} device(s) in "
+            f"{run.info.process_count} process(es); global batch {cfg.global_batch_size} = "
+            f"{shards} x {cfg.global_batch_size // shards} (grad-accum {cfg.grad_accum}); "
+            f"effective lr {run.peak_lr:.3g} ({run.config.optim.lr_scaling} scaling)"
+            + (f"; {run.dp.pipeline.describe()}" if run.dp.pipeline else "")
+            + (f"; run dir {run_dir}" if run_dir else "")
+        )
+    )
+    sinks.emit(Note(f"jaxdist: {run.health.describe()}"))
+    if run.begin.step or run.begin.earlier_last_step:  # resumed, or restarted from step 0
+        sinks.emit(Resumed(run.begin.step, earlier_last_step=run.begin.earlier_last_step))
+    if run.begin.step:
+        sinks.emit(Note(f"resumed from the checkpoint of step {run.begin.step} in {run_dir}"))
+    sinks.emit(started(run.config, run))
