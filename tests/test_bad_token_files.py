@@ -12,7 +12,7 @@ import pytest
 
 from helpers import run_module
 from jaxdist.data import write_token_file
-from jaxdist.data.checks import sample_indices
+from jaxdist.data.row_checks import sample_indices
 from jaxdist.train import build_data
 from jaxdist.train import config as config_lib
 from jaxdist.train.trainer import main

@@ -12,7 +12,7 @@ import pytest
 
 import jaxdist
 from helpers import run_cli
-from jaxdist.data.checks import sample_indices
+from jaxdist.data.row_checks import sample_indices
 from jaxdist.train.config import from_dict
 from jaxdist.train.trainer import train
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxdist
-from jaxdist.parallel.sharding import AXES, DeviceCountError, data_parallel_rank, mesh_devices
+from jaxdist.parallel.device_mesh import AXES, DeviceCountError, data_parallel_rank, mesh_devices
 
 
 def fake_devices(processes, per_process):

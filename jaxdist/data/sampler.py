@@ -29,7 +29,7 @@ def _this_process(
     if process_index is not None and process_count is not None:
         return process_index, process_count
     if mesh is not None:
-        from jaxdist.parallel.sharding import data_parallel_rank
+        from jaxdist.parallel.device_mesh import data_parallel_rank
 
         return data_parallel_rank(mesh)
     import jax

@@ -2,7 +2,7 @@
 layout of every array on it, the one pure training step, and the strategies that wire
 that step to devices.
 
-Open ``sharding.py`` for the mesh and the host-to-device seam (``shard_batch``),
+Open ``device_mesh.py`` for the mesh and the host-to-device seam (``shard_batch``),
 ``layout.py`` for where each array lives (the one function ``state_shardings``: an axis
 is added there), ``step.py`` for ``train_step(state, batch) -> (state, metrics)``,
 ``strategies/`` for gspmd, shard_map, pmap and the pipeline, and ``wrapper.py`` for
@@ -16,10 +16,10 @@ from jaxdist.parallel.collectives import (
     step_key,
     sum_over_replicas,
 )
+from jaxdist.parallel.device_mesh import AXES, DeviceCountError, make_mesh, shard_batch
 from jaxdist.parallel.host import host_value, local_value, scalars
 from jaxdist.parallel.layout import Layout, LayoutError, path_name, state_shardings
 from jaxdist.parallel.program import StepProgram
-from jaxdist.parallel.sharding import AXES, DeviceCountError, make_mesh, shard_batch
 from jaxdist.parallel.step import TrainState
 from jaxdist.parallel.step_checks import BadBatchError, NonFiniteError
 from jaxdist.parallel.wrapper import DataParallel, Parallel

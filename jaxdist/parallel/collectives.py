@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxdist.parallel.sharding import DATA
+from jaxdist.parallel.device_mesh import DATA
 
 
 def replica_index(axis_name: str = DATA) -> jax.Array | None:

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel.sharding import AXES, DATA, axis_size
+from jaxdist.parallel.device_mesh import AXES, DATA, axis_size
 
 # Logical axis names (Flax / MaxText vocabulary) -> mesh axes. A name that is itself a
 # mesh axis means that axis; a name not listed here is replicated.

@@ -26,10 +26,10 @@ from flax import nnx
 
 from jaxdist.models import stack
 from jaxdist.parallel import step_checks
+from jaxdist.parallel.bound_axes import bind_trivially
 from jaxdist.parallel.collectives import mean_over_replicas, step_key, sum_over_replicas
-from jaxdist.parallel.loss_fn import normalize_loss_fn
-from jaxdist.parallel.model_axes import bind_trivially
-from jaxdist.parallel.sharding import DATA
+from jaxdist.parallel.device_mesh import DATA
+from jaxdist.parallel.user_loss import normalize_loss_fn
 
 
 @jax.tree_util.register_dataclass
@@ -91,7 +91,7 @@ def make_loss(
     graphdef: nnx.GraphDef, loss_fn: Callable, trivial_axes=(), stack_runner=None
 ) -> Callable:
     """``(params, stats, rng_state, batch, key) -> (loss, (metrics, new_stats))``: pure,
-    the model merged inside, its own axis names bound (see ``jaxdist.parallel.model_axes``)."""
+    the model merged inside, its own axis names bound (see ``jaxdist.parallel.bound_axes``)."""
     loss_fn = normalize_loss_fn(loss_fn)
 
     def loss_of(params, stats, rng_state, batch, key):

@@ -21,6 +21,8 @@ NONFINITE_LEAF = "health/nonfinite_leaf"  # index of the first such gradient lea
 BAD_ROW = "health/bad_row"  # first global row the batch check rejected, or NO_ROW
 NO_ROW = np.iinfo(np.int32).max
 POLICIES = ("halt", "skip")
+# What ``check`` reads on the host after a step: a few scalars.
+CHECKED = (NONFINITE, NONFINITE_LEAF, BAD_ROW, "loss", "grad_norm")
 
 
 class NonFiniteError(RuntimeError):

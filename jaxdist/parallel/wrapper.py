@@ -14,12 +14,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxdist.errors import ConfigError
-from jaxdist.parallel import layout, model_axes, step_checks, strategies
+from jaxdist.parallel import bound_axes, layout, step_checks, strategies
+from jaxdist.parallel.device_mesh import batch_shards, batch_spec, make_mesh
 from jaxdist.parallel.host import host_value, scalars
-from jaxdist.parallel.model_source import ModelSource
+from jaxdist.parallel.initial_state import ModelSource
 from jaxdist.parallel.program import StepProgram, abstract
 from jaxdist.parallel.saved_state import SavedState
-from jaxdist.parallel.sharding import batch_shards, batch_spec, make_mesh
 from jaxdist.parallel.step import StepOptions, TrainState, make_eval_step, make_train_step
 from jaxdist.parallel.strategies import pipeline
 from jaxdist.parallel.strategies.shard_map import PerReplica
@@ -145,14 +145,7 @@ class Parallel:
         """Reads the step's health (a few scalars): raises ``NonFiniteError`` (NaN or inf
         loss or gradient, ``nan_policy="halt"``) or ``BadBatchError`` (``batch_check``);
         returns True when the update was skipped (``nan_policy="skip"``)."""
-        names = (
-            step_checks.NONFINITE,
-            step_checks.NONFINITE_LEAF,
-            step_checks.BAD_ROW,
-            "loss",
-            "grad_norm",
-        )
-        values = scalars({k: metrics[k] for k in names if k in metrics})
+        values = scalars({k: metrics[k] for k in step_checks.CHECKED if k in metrics})
         return step_checks.check(values, step, self._source.leaf_paths, self.nan_policy)
 
     def save(self, state: TrainState, directory, *, extra: dict | None = None, keep: int = 3):
@@ -232,7 +225,7 @@ class Parallel:
 
     def _build_steps(self, batch) -> tuple[StepProgram, Callable]:
         """Finds the model's axis names on the first batch, then builds and wires the steps."""
-        names = model_axes.names_used(
+        names = bound_axes.names_used(
             self._source.abstract_loss(self._loss_fn),
             *self._source.abstract_args(self._example_rows(batch)),
         )
@@ -242,7 +235,7 @@ class Parallel:
             self._options.grad_accum,
             self._source.has_batch_stats or names,
         )
-        axis_name, trivial, self.axis_bindings = model_axes.plan(
+        axis_name, trivial, self.axis_bindings = bound_axes.plan(
             names, self.strategy, self.sync_batch_stats
         )
         if self.axis_bindings and jax.process_index() == 0:

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from jaxdist.report.runs import NotARunError, RunData, load
+from jaxdist.report.reader import NotARunError, RunData, load
 
 __all__ = ["NotARunError", "RunData", "build", "load", "main"]
 

@@ -8,7 +8,7 @@ import io
 import numpy as np
 from matplotlib.figure import Figure
 
-from jaxdist.report.runs import RunData
+from jaxdist.report.reader import RunData
 from jaxdist.sinks.goodput import PARTS
 
 SIZE = (6.4, 3.4)  # inches at 100 dpi: 640 x 340 pixels, a few tens of kB each

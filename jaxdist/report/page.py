@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import html
 
-from jaxdist.report.runs import RunData, config_differences
+from jaxdist.report.reader import RunData, config_differences
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1400px}
 table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxdist.data import checks, text
+from jaxdist.data import row_checks, text
 from jaxdist.data.arrays import NpzArrays
 from jaxdist.data.loader import DataSource
 from jaxdist.data.synthetic import ByteWindows, TeacherClassification, grammar_corpus
@@ -40,12 +40,14 @@ def build(config: Config, task: str, progress: bool = True) -> Data:
     ``progress``: show data preparation (the main process only)."""
     data = _build(config, task, progress)
     path = config.data.path or ("stdlib" if task == "lm" else "synthetic")
-    bound = checks.value_range(task, _limit(config, task, data.vocab_size), config.data.npz_labels)
-    checks.check_source(data.train, f"--data {path}", bound)
+    bound = row_checks.value_range(
+        task, _limit(config, task, data.vocab_size), config.data.npz_labels
+    )
+    row_checks.check_source(data.train, f"--data {path}", bound)
     if data.eval is not None:
         eval_name = config.data.eval_path and f"--eval-data {config.data.eval_path}"
-        checks.check_source(data.eval, eval_name or f"--data {path} (held-out split)", bound)
-    data.row_check = checks.batch_check(bound, data.train[[0]])
+        row_checks.check_source(data.eval, eval_name or f"--data {path} (held-out split)", bound)
+    data.row_check = row_checks.batch_check(bound, data.train[[0]])
     return data
 
 

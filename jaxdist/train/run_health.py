@@ -12,13 +12,11 @@ from jaxdist.health import agreement, hang_report
 from jaxdist.health.fault_injection import Faults
 from jaxdist.health.replica_check import ReplicaCheck
 from jaxdist.health.watchdog import Deadlines, Watchdog
-from jaxdist.train import config as config_lib
-from jaxdist.train.config import Config
+from jaxdist.train.config import DistConfig
 
 
 class RunHealth:
-    def __init__(self, config: Config, info: jaxdist.ProcessInfo):
-        d = config.dist
+    def __init__(self, d: DistConfig, info: jaxdist.ProcessInfo):
         self.enabled = d.health
         self.every = d.check_replicas_every if d.health else 0
         # One process has no one to agree with: nothing to lower, hash or compare.
@@ -54,10 +52,11 @@ class RunHealth:
             f"{d.heartbeat_timeout:g}s, {self.deadlines.describe()}; {replicas}"
         )
 
-    def agree_setup(self, config: Config, info: jaxdist.ProcessInfo) -> None:
-        """Config, versions and counts, before any data is read."""
+    def agree_setup(self, config: dict, info: jaxdist.ProcessInfo) -> None:
+        """The resolved config (``config.to_dict``), versions and counts, before any data
+        is read."""
         if self.agreeing:
-            fields = agreement.setup_fields(config_lib.to_dict(config), info)
+            fields = agreement.setup_fields(config, info)
             agreement.agree("setup", fields, timeout_s=self.deadlines.slow_s + 10)
 
     def agree_program(self, dp: jaxdist.Parallel, batch, save_dir) -> None:

@@ -9,7 +9,7 @@ import jax
 
 import jaxdist
 from jaxdist.checkpoint import run_directory
-from jaxdist.parallel.sharding import batch_shards
+from jaxdist.parallel.device_mesh import batch_shards
 from jaxdist.sinks import Note, Resumed, Sinks, Started
 from jaxdist.train import config as config_lib
 from jaxdist.train import config_checks

@@ -23,7 +23,7 @@ from jaxdist.health.agreement import MismatchError
 from jaxdist.health.replica_check import ReplicaDivergenceError
 from jaxdist.losses import default_eval, default_loss
 from jaxdist.parallel import strategies
-from jaxdist.parallel.sharding import batch_shards, parse_mesh
+from jaxdist.parallel.device_mesh import batch_shards, parse_mesh
 from jaxdist.sinks.goodput import process_clock_start
 from jaxdist.train import build_data, ending, resume
 from jaxdist.train import config as config_lib
@@ -75,14 +75,16 @@ def setup(config: Config, write: bool = False) -> Run:
         health=d.health,
     )
     stop = StopFlag()  # before data is prepared: a signal during set-up stops cleanly too
-    health = RunHealth(config, info)  # the watchdog watches set-up too
+    health = RunHealth(config.dist, info)  # the watchdog watches set-up too
     print(f"[rank {info.process_index}] {info}", flush=True)  # one line per process
     try:
         resume.use_compile_cache(cfg.compile_cache)
         run_dir, plan = resume.prepare_run_dir(config, write)
         health.watch.run_dir = run_dir
         with ending.in_run_dir(run_dir):
-            health.agree_setup(config, info)  # same config, versions and counts everywhere
+            health.agree_setup(
+                config_lib.to_dict(config), info
+            )  # same config, versions and counts everywhere
             return _setup_run(config, info, stop, health, run_dir, plan)
     except BaseException:
         health.close(finished=False)  # this process goes on (a test, a notebook): unwatched

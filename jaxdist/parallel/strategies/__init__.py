@@ -16,8 +16,8 @@ from collections.abc import Callable
 from jax.sharding import Mesh
 
 from jaxdist.errors import ConfigError
+from jaxdist.parallel.device_mesh import DATA
 from jaxdist.parallel.layout import Layout
-from jaxdist.parallel.sharding import DATA
 
 NAMES = ("pmap", "shard_map", "gspmd")
 

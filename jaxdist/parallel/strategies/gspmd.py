@@ -18,7 +18,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.parallel.sharding import batch_spec
+from jaxdist.parallel.device_mesh import batch_spec
 
 
 def wire(build, mesh, state_sharding, per_replica=None):

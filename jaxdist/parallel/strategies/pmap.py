@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import NamedSharding
 
-from jaxdist.parallel.sharding import BATCH_SPEC
+from jaxdist.parallel.device_mesh import BATCH_SPEC
 
 
 def wire(build, mesh, axis_name):

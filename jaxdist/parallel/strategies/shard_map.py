@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.errors import ConfigError
 from jaxdist.models.stack import scan_layers
 from jaxdist.parallel.collectives import mean_over_replicas
-from jaxdist.parallel.sharding import BATCH_AXES, DATA
+from jaxdist.parallel.device_mesh import BATCH_AXES, DATA
 
 NO_DIM = -1  # a parameter not split over fsdp
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdist.errors import JaxdistError, ModelError
-from jaxdist.parallel.model_axes import unbound_name
+from jaxdist.parallel.bound_axes import unbound_name
 
 # Metric names the step itself reports; health/* are read by DataParallel.check.
 RESERVED = ("loss", "grad_norm", "lr")

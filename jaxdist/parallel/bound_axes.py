@@ -21,7 +21,7 @@ from collections.abc import Callable
 import jax
 
 from jaxdist.errors import ModelError
-from jaxdist.parallel.sharding import DATA
+from jaxdist.parallel.device_mesh import DATA
 
 _UNBOUND = re.compile(r"unbound axis name: ([^\s.,;:]+)")
 
