@@ -10,9 +10,8 @@ import textwrap
 import numpy as np
 import pytest
 
-import jaxdist.models
 from jaxdist.data import text
-from jaxdist.train import build_data
+from jaxdist.train import build_data, build_model
 from jaxdist.train.config import ConfigError, from_dict
 
 SOURCES = """
@@ -86,7 +85,7 @@ def build(sources, factory, task="lm", **model):
 
 
 def test_one_byte_vocabulary_and_a_source_may_say_its_own(sources):
-    assert jaxdist.models.BYTE_VOCAB is text.BYTE_VOCAB == 257  # bytes + end of document
+    assert build_model.BYTE_VOCAB is text.BYTE_VOCAB == 257  # bytes + end of document
     assert build(sources, "plain").vocab_size == 257  # id 256 (end of document) fits
     assert build(sources, "own_vocab").vocab_size == 300
     assert build(sources, "plain", vocab_size=512).vocab_size == 512

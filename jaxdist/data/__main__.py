@@ -7,7 +7,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from jaxdist.data.text import default_cache_dir, prepare, stdlib_corpus
+from jaxdist.data.text import (
+    EVAL_FRACTION,
+    default_cache_dir,
+    held_out_bytes,
+    prepare,
+    stdlib_corpus,
+)
 from jaxdist.data.tokens import read_sidecar
 from jaxdist.errors import JaxdistError
 
@@ -23,8 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     text.add_argument(
         "--eval-fraction",
         type=float,
-        default=0.0,
-        help="share of files held out for eval.bin (by file name hash; default 0: none)",
+        default=EVAL_FRACTION,  # the trainer's: --eval-data DIR/eval.bin then exists
+        help="share of files held out for eval.bin (by file name hash; one file: its tail; "
+        f"default {EVAL_FRACTION}, as the trainer's; 0: no eval.bin)",
     )
     stdlib = commands.add_parser("stdlib", help="prepare the Python standard library corpus")
     stdlib.add_argument(
@@ -39,11 +46,27 @@ def summary(name: str, path: Path) -> str:
     return f"{name}: {files:,} files, {tokens:,} tokens, {size:,} bytes -> {path}"
 
 
+def prepare_command(inputs: list[str], out: Path, eval_fraction: float) -> dict[str, Path]:
+    """``prepare``, except that inputs with no text to hold out give train.bin alone and
+    one line saying so: an ``eval.bin`` of end-of-document separators only would
+    evaluate nothing."""
+    if eval_fraction > 0 and not held_out_bytes(inputs, eval_fraction):
+        print(
+            f"jaxdist: note: no eval.bin: too few files or too little text to hold out "
+            f"{eval_fraction:g} of it (by file; a single file: its tail), so all of it is in "
+            "train.bin; give more text, or train without --eval-data",
+            file=sys.stderr,
+            flush=True,
+        )
+        eval_fraction = 0.0
+    return prepare(inputs, out, eval_fraction=eval_fraction)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "prepare":
-            paths = prepare(args.inputs, args.out, eval_fraction=args.eval_fraction)
+            paths = prepare_command(args.inputs, args.out, args.eval_fraction)
         else:
             paths = stdlib_corpus(args.cache_dir)
     except JaxdistError as err:
@@ -51,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for name, path in paths.items():
         print(summary(name, path), flush=True)
+    if args.command == "prepare":  # what to run next, with the files just written
+        held_out = f" --eval-data {paths['eval']}" if "eval" in paths else ""
+        data = f"--data {paths['train']}{held_out}"
+        print(f"next: python -m jaxdist.train --model gpt {data}", flush=True)
     return 0
 
 

@@ -40,7 +40,9 @@ def host_batches(source: DataSource, sampler: DistributedSampler, start_step: in
         try:
             batch = source[sampler.indices(step)]
         except JaxdistError as err:
-            raise JaxdistError(f"step {step + 1}: {err}") from None
+            named = JaxdistError(f"step {step + 1}: {err}")
+            named.step = step + 1  # what its failure record (failures.jsonl) holds
+            raise named from None
         yield batch
         step += 1
 

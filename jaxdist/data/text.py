@@ -21,6 +21,9 @@ from jaxdist.errors import JaxdistError
 
 EOT = 256  # document separator, after every file
 BYTE_VOCAB = 257
+# The share held out for evaluation by default: the trainer's --eval-fraction and
+# ``python -m jaxdist.data prepare``'s read it here, so that they cannot drift apart.
+EVAL_FRACTION = 0.02
 SPLIT_BUCKETS = 10_000
 _NOT_STDLIB = frozenset({"site-packages", "dist-packages"})
 
@@ -88,8 +91,26 @@ def held_out(keys: list[str], eval_fraction: float) -> list[bool]:
 def prepare(inputs, out_dir, *, eval_fraction: float = 0.0, progress: bool = True):
     """Tokenises ``inputs`` into ``out_dir/train.bin`` (and ``eval.bin`` when
     eval_fraction > 0), each with a sidecar; returns {"train": path[, "eval": path]}."""
-    inputs = [str(i) for i in ([inputs] if isinstance(inputs, str | os.PathLike) else inputs)]
+    inputs = _as_list(inputs)
     return _prepare(_collect(inputs), Path(out_dir), eval_fraction, progress, " ".join(inputs))
+
+
+def held_out_bytes(inputs, eval_fraction: float) -> int:
+    """Bytes of text that ``prepare`` would hold out for ``eval.bin``. 0: too few files
+    to hold any out, or only empty ones (an ``eval.bin`` of separators alone), or one
+    file too short for ``eval_fraction`` of it (its tail) to be a byte."""
+    if eval_fraction <= 0:
+        return 0
+    entries = _collect(_as_list(inputs))
+    sizes = [_size(path) for path, _ in entries]
+    if len(entries) == 1:  # what _write_tail_split cuts off
+        return sizes[0] - round(sizes[0] * (1 - eval_fraction))
+    held = held_out([key for _, key in entries], eval_fraction)
+    return sum(size for size, is_eval in zip(sizes, held, strict=True) if is_eval)
+
+
+def _as_list(inputs) -> list[str]:
+    return [str(i) for i in ([inputs] if isinstance(inputs, str | os.PathLike) else inputs)]
 
 
 def _prepare(
@@ -205,7 +226,7 @@ def default_cache_dir() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "jaxdist"
 
 
-def stdlib_corpus(cache_dir=None, *, eval_fraction: float = 0.02, progress: bool = True):
+def stdlib_corpus(cache_dir=None, *, eval_fraction: float = EVAL_FRACTION, progress: bool = True):
     """The running Python's standard library ``.py`` files as byte tokens, prepared once
     into ``cache_dir`` (default: ``default_cache_dir()``) and reused after that."""
     root = Path(sysconfig.get_paths()["stdlib"])

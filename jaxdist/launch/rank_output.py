@@ -1,4 +1,5 @@
-"""The ranks' output on the launcher's stdout: bytes, each line prefixed ``[rank R] ``.
+"""The ranks' output on the launcher's stdout: bytes, each line prefixed ``[rank R] ``,
+less gloo's connection lines.
 
 Nothing is decoded, so no byte can stop the forwarding: a reader that stopped would let
 the pipe fill and block its rank for ever.
@@ -7,8 +8,37 @@ the pipe fill and block its rank for ever.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import threading
+
+# gloo, jaxlib's CPU collectives, writes "[Gloo] Rank R is connected to N peer ranks.
+# Expected number of connected peer ranks is : N" to std::cout for each of its contexts
+# (gloo/transport/tcp/context.cc, printConnectivityInfo): always, no setting or log level
+# silences it, so it is dropped here. The threads of one process print at once, so a
+# line may hold pieces of several such messages (one "[Gloo] Rank " each) with their
+# remaining pieces, down to a bare newline, on the next lines. gloo's "is NOT connected
+# to: [...]" line, printed when a peer is missing, is kept.
+GLOO_START = b"[Gloo] Rank "
+GLOO_PIECES = re.compile(
+    rb"(?:\[Gloo\] Rank | is connected to | peer ranks\. "
+    rb"|Expected number of connected peer ranks is : |\d+)*\r?\n"
+)
+
+
+class GlooLines:
+    """Tells gloo's connection lines (and their interleaved remains) in one rank's output."""
+
+    def __init__(self):
+        self.unfinished = 0  # messages begun on dropped lines whose newline is still due
+
+    def drop(self, line: bytes) -> bool:
+        starts = line.count(GLOO_START)
+        if not (starts or self.unfinished) or not GLOO_PIECES.fullmatch(line):
+            self.unfinished = 0  # remains come next or not at all: keep later blank lines
+            return False
+        self.unfinished += starts - 1  # this line's newline ends one message
+        return True
 
 
 class Output:
@@ -37,9 +67,11 @@ class Output:
 
 def forward(rank: int, pipe, out: Output) -> None:
     prefix = f"[rank {rank}] ".encode()
-    line_start = True
+    line_start, gloo = True, GlooLines()
     with pipe:
         for chunk in iter(lambda: pipe.readline(1 << 16), b""):
+            if line_start and gloo.drop(chunk):  # a whole line (it ends with a newline)
+                continue
             if line_start and not chunk.startswith(b"[rank"):  # jaxdist.train prefixes its own
                 chunk = prefix + chunk
             line_start = chunk.endswith(b"\n")

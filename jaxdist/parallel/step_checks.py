@@ -26,11 +26,21 @@ CHECKED = (NONFINITE, NONFINITE_LEAF, BAD_ROW, "loss", "grad_norm")
 
 
 class NonFiniteError(RuntimeError):
-    """The loss or gradient became NaN or infinite (``nan_policy="halt"``): exit code 1."""
+    """The loss or gradient became NaN or infinite (``nan_policy="halt"``): exit code 1.
+    ``step``: the step, which the failure record (``failures.jsonl``) holds."""
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
 
 
 class BadBatchError(JaxdistError):
-    """A batch failed the data check (e.g. a token id beyond the vocabulary): exit code 2."""
+    """A batch failed the data check (e.g. a token id beyond the vocabulary): exit code 2.
+    ``step``: the step, as for NonFiniteError."""
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
 
 
 def grad_norm_and_health(loss, grads) -> tuple[jax.Array, dict]:
@@ -69,7 +79,8 @@ def check(values: dict, step: int, leaf_paths: list[str], policy: str) -> bool:
     if bad_row != NO_ROW:
         raise BadBatchError(
             f"step {step}: row {bad_row} of the global batch failed the data check (e.g. a "
-            "token id outside the vocabulary or a label outside the classes)"
+            "token id outside the vocabulary or a label outside the classes)",
+            step,
         )
     if not int(values.get(NONFINITE, 0)):
         return False
@@ -83,5 +94,6 @@ def check(values: dict, step: int, leaf_paths: list[str], policy: str) -> bool:
     )
     raise NonFiniteError(
         f"step {step}: the loss or gradient norm is not finite (loss {values.get('loss')}, "
-        f"grad_norm {values.get('grad_norm')}); {where}. --nan-policy skip skips such updates"
+        f"grad_norm {values.get('grad_norm')}); {where}. --nan-policy skip skips such updates",
+        step,
     )

@@ -29,6 +29,7 @@ def build(run_dirs: list[str | Path], out: str | Path) -> list[Path]:
     }
     if any(r.goodput for r in runs):
         drawn["goodput"] = charts.goodput(runs)
+    html = page.render(runs, drawn)  # before any file: a failure leaves no PNGs alone
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     written = []
@@ -36,7 +37,7 @@ def build(run_dirs: list[str | Path], out: str | Path) -> list[Path]:
         path = out.with_name(f"{out.stem}-{name}.png")
         path.write_bytes(png)
         written.append(path)
-    out.write_text(page.render(runs, drawn), encoding="utf-8")
+    out.write_text(html, encoding="utf-8")
     return [out, *written]
 
 

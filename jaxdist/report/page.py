@@ -46,10 +46,16 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _figure_rows(figures: list[dict[str, str]]) -> list[list[str]]:
+    """One row per figure any run has, in first-seen order; "-" where a run lacks it
+    (runs differ: a language model's tokens/s, a classifier's samples/s)."""
+    labels = list(dict.fromkeys(label for f in figures for label in f))
+    return [[label, *(f.get(label, "-") for f in figures)] for label in labels]
+
+
 def render(runs: list[RunData], charts: dict[str, bytes]) -> str:
     names = [r.name for r in runs]
-    figures = [final_figures(r) for r in runs]
-    final = _table(["", *names], [[k, *(f[k] for f in figures)] for k in figures[0]])
+    final = _table(["", *names], _figure_rows([final_figures(r) for r in runs]))
     diffs = config_differences(runs)
     if diffs:
         config = _table(["config", *names], [[k, *map(str, v)] for k, v in diffs.items()])

@@ -16,8 +16,10 @@ from typing import Any, Literal
 
 import yaml
 
+from jaxdist.data import text
 from jaxdist.errors import ConfigError
-from jaxdist.train.config_checks import coerce, flag_name, validate
+from jaxdist.train import flags
+from jaxdist.train.config_checks import coerce, validate
 
 Strategy = Literal["pmap", "shard_map", "gspmd"]
 
@@ -59,13 +61,13 @@ class ModelConfig:
 class DataConfig:
     # "" = the task's default (lm: the standard library corpus; classify: synthetic), or
     # synthetic | grammar | stdlib | FILE.bin/.npy (tokens) | FILE.npz | text files, folders
-    # or globs, comma-separated | package.module:factory (see jaxdist/data/build.py)
+    # or globs, comma-separated | package.module:factory (see jaxdist/train/build_data.py)
     path: str = field(default="", metadata={"flag": "--data"})
     eval_path: str = field(default="", metadata={"flag": "--eval-data"})  # held-out file
     token_dtype: Literal["auto", "uint16", "uint32"] = "auto"  # .bin ids; auto: sidecar
     npz_inputs: str = "x"  # .npz array names
     npz_labels: str = "y"
-    eval_fraction: float = 0.02  # text: share of files held out (by file)
+    eval_fraction: float = text.EVAL_FRACTION  # text: share of files held out (by file)
     last_batch: Literal["drop", "wrap"] = "drop"  # an epoch's last partial global batch
     prefetch: int = 2  # device batches built ahead by a background thread
     cache_dir: str = ""  # prepared text; "" = $JAXDIST_CACHE or ~/.cache/jaxdist
@@ -206,37 +208,14 @@ def to_dict(config: Config) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m jaxdist.train",
-        description="Data-parallel training of a Flax model on every visible device.",
-    )
-    parser.add_argument("--config", help="YAML file with sections model/optim/train")
-    for section, f, typ in _leaf_fields():
-        kwargs: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
-        if typing.get_origin(typ) is Literal:
-            kwargs["choices"] = typing.get_args(typ)
-        elif typ is bool:  # "--flag" alone means true; "--flag false" also works
-            kwargs.update(type=_cli_bool, nargs="?", const=True)
-            no_flag = "--no-" + flag_name(f).removeprefix("--")  # and "--no-flag"
-            parser.add_argument(
-                no_flag,
-                dest=kwargs["dest"],
-                action="store_const",
-                const=False,
-                default=argparse.SUPPRESS,
-                help=f"{section}.{f.name} = false",
-            )
-        else:
-            kwargs["type"] = typ if typ in (int, float) else str
-        default = f.default if f.default is not dataclasses.MISSING else None
-        kwargs["help"] = f"{section}.{f.name} (default: {default!r})"
-        parser.add_argument(flag_name(f), f"--{section}.{f.name}", **kwargs)
-    return parser
+    """A flag for every leaf field (``jaxdist.train.flags``)."""
+    return flags.build_parser(_leaf_fields())
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
-    """CLI -> Config. argparse errors exit 2 by themselves; ours raise ConfigError."""
-    args = vars(build_parser().parse_args(argv))
+    """CLI -> Config. Every error, argparse's included, is a ConfigError (``--help``
+    still prints the help and exits 0)."""
+    args = flags.parse(build_parser(), argv)
     tree: dict[str, dict] = {}
     if args.get("config"):
         loaded = load_yaml(Path(args["config"]))
@@ -246,12 +225,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
         section, key = dotted.split(".", 1)
         tree.setdefault(section, {})[key] = value
     return from_dict(tree)
-
-
-def _cli_bool(text: str) -> bool:
-    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return text.lower() in ("true", "1", "yes")
 
 
 def load_yaml(path: Path) -> dict:
@@ -285,4 +258,16 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
 
 
 def save(config: Config, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    """``RUN_DIR/config.yaml``: the resolved config, to rerun with ``--config``. Without
+    its run directory: a file naming it would resume (or be refused by) that run instead
+    of starting another. Without ``overwrite`` too: with ``--run-dir`` of this run, it
+    would wipe the run instead of continuing it. The checkpoints' own copy of the config
+    (``resume.extra``) keeps both."""
+    tree = to_dict(config)
+    tree["train"].update(run_dir="", overwrite=False)
+    header = (
+        "# The resolved config of the run in this directory. Rerunning this file\n"
+        "# (--config FILE) starts a new run with the same settings; add\n"
+        f"# --run-dir {path.parent} to continue this one instead.\n"
+    )
+    path.write_text(header + yaml.safe_dump(tree, sort_keys=False))
