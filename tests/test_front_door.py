@@ -138,7 +138,7 @@ def test_prepare_writes_eval_bin_by_default_as_the_trainer_holds_out(tmp_path, c
     assert printed[1].startswith("eval: 1 files,") and printed[1].endswith(f"-> {out}/eval.bin")
     assert printed[2] == (
         f"next: python -m jaxdist.train --model gpt --data {out}/train.bin "
-        f"--eval-data {out}/eval.bin"
+        f"--eval-data {out}/eval.bin --eval-every 200"
     )
     # the same default as the trainer's --eval-fraction, read from one place
     from jaxdist.data.text import EVAL_FRACTION

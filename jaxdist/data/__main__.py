@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, path in paths.items():
         print(summary(name, path), flush=True)
     if args.command == "prepare":  # what to run next, with the files just written
-        held_out = f" --eval-data {paths['eval']}" if "eval" in paths else ""
+        held_out = f" --eval-data {paths['eval']} --eval-every 200" if "eval" in paths else ""
         data = f"--data {paths['train']}{held_out}"
         print(f"next: python -m jaxdist.train --model gpt {data}", flush=True)
     return 0

@@ -1,0 +1,505 @@
+"""Every command that README.md and docs/*.md print runs, as printed.
+
+The fenced shell blocks (```bash, ```sh, ```console) of the pages are read here, one test
+case per block, named by page and line (``README.md:63``). A block's commands run in
+order with bash, in a fresh directory that links the repository's README.md, docs/,
+experiments/ and slurm/ (the commands are written for the repository's root) and holds the
+files the same page shows in a fence whose first line names them (``# my_data.py``).
+
+- Each ``python -m jaxdist.train`` gets ``--steps 2 --log-every 1`` appended (argparse:
+  the last value wins): 4 when an earlier command of the block used the same --run-dir,
+  so that this one resumes; STOP for ``--profile START:STOP``.
+- A trailing ``# needs: ...`` or ``# server`` skips the line; the skipped lines are
+  counted, and the trainer flags on them are still parsed by the real parser. A line that
+  is neither runnable nor marked fails.
+- ``# exits N``: the line runs exactly as printed and must exit N. In a ```console block,
+  the lines after a ``$ `` command are output it must print.
+- What the pages say a command writes must be there (the run directory's files, the token
+  files, the report).
+
+Beside the blocks: the paths, modules, links and anchors the pages name exist, the CLI
+reference lists exactly the trainer's flags, and the README opens with the two set-up
+commands. tests/README.md says more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import re
+import resource
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from helpers import failures_of, metrics_of
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PROSE = [*PAGES, ROOT / "tests" / "README.md"]  # pages whose paths and links are checked
+LINKED = ("README.md", "docs", "experiments", "slurm")  # what commands read from the root
+SHELL = ("bash", "sh", "console")
+RUNNABLE = {"python", "ls", "cat", "head", "tail"}  # programs that run here as printed
+MARK = re.compile(r"#\s*(?:(?P<skip>needs:.*|server\b.*)|exits\s+(?P<code>\d+))$")
+FILE_FENCE = re.compile(r"#\s+([\w.-]+\.(?:py|yaml|yml|json|txt))$")
+ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+SEPARATORS = {"&&", "||", ";", "|"}
+TRAIN = ["python", "-m", "jaxdist.train"]
+STEPS = 2
+EVAL_TOKENS = 8192  # the stdlib corpus's held-out split, cut to this for the test
+TIMEOUT_S = 300
+MAX_SKIPPED = 12  # marked today: pip, pytest, sbatch, a GPU, a cluster, tensorboard, data
+
+
+@dataclasses.dataclass
+class Fence:
+    page: Path
+    line: int  # of the opening ```
+    lang: str
+    lines: list[tuple[int, str]]  # (line number, text)
+
+
+@dataclasses.dataclass
+class Command:
+    page: Path
+    line: int
+    code: str  # the command, without its trailing comment
+    skip: bool  # "# needs: ..." or "# server"
+    expect: int | None  # "# exits N": N, and run as printed
+    output: list[str] = dataclasses.field(default_factory=list)  # console: lines it prints
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+    @property
+    def tokens(self) -> list[str]:
+        return shlex.split(self.code)
+
+    def segments(self) -> list[list[str]]:
+        """The simple commands of the line, each without its leading VAR=value words."""
+        out, current = [], []
+        for token in [*self.tokens, ";"]:
+            if token in SEPARATORS:
+                while current and ENV_ASSIGNMENT.match(current[0]):
+                    current.pop(0)
+                if current:
+                    out.append(current)
+                current = []
+            else:
+                current.append(token)
+        return out
+
+    @property
+    def runnable(self) -> bool:
+        return all(segment[0] in RUNNABLE for segment in self.segments())
+
+
+def fences(page: Path) -> list[Fence]:
+    found, fence = [], None
+    for n, text in enumerate(page.read_text().splitlines(), 1):
+        if fence is None:
+            opening = re.match(r"^\s*```(\w*)\s*$", text)
+            if opening:
+                fence = Fence(page, n, opening.group(1), [])
+        elif text.strip().startswith("```"):
+            found.append(fence)
+            fence = None
+        else:
+            fence.lines.append((n, text))
+    return found
+
+
+def split_comment(text: str) -> tuple[str, str]:
+    """(code, comment): the comment from the first ``#`` that starts a word outside quotes."""
+    quote = None
+    for i, char in enumerate(text):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or text[i - 1].isspace()):
+            return text[:i].rstrip(), text[i:].strip()
+    return text.rstrip(), ""
+
+
+def commands_of(fence: Fence) -> list[Command]:
+    commands: list[Command] = []
+    start, held = None, ""
+    for n, text in fence.lines:
+        if fence.lang == "console":
+            if not text.startswith("$ "):
+                if commands and text.strip():
+                    commands[-1].output.append(text.strip())
+                continue
+            text = text[2:]
+        if start is None:
+            start = n
+        held += text.strip()
+        if held.endswith("\\"):  # continued on the next line
+            held = held[:-1] + " "
+            continue
+        code, comment = split_comment(held)
+        first, start, held = start, None, ""
+        if not code:
+            continue
+        mark = MARK.match(comment) if comment else None
+        skip = bool(mark and mark.group("skip"))
+        expect = int(mark.group("code")) if mark and mark.group("code") else None
+        commands.append(Command(fence.page, first, code, skip, expect))
+    return commands
+
+
+def shell_commands(pages=PAGES) -> list[Command]:
+    return [
+        command
+        for page in pages
+        for fence in fences(page)
+        if fence.lang in SHELL
+        for command in commands_of(fence)
+    ]
+
+
+def page_files(page: Path) -> dict[str, str]:
+    """The files a page shows in full: a fence whose first line is ``# name.ext``."""
+    files = {}
+    for fence in fences(page):
+        if fence.lang in SHELL or not fence.lines:
+            continue
+        named = FILE_FENCE.match(fence.lines[0][1].strip())
+        if named:
+            files[named.group(1)] = "\n".join(text for _, text in fence.lines) + "\n"
+    return files
+
+
+def flag(tokens: list[str], name: str) -> str | None:
+    """The last value given to ``name`` (``--name value`` or ``--name=value``)."""
+    value = None
+    for i, token in enumerate(tokens):
+        if token == name and i + 1 < len(tokens):
+            value = tokens[i + 1]
+        elif token.startswith(name + "="):
+            value = token.split("=", 1)[1]
+    return value
+
+
+def train_args(tokens: list[str]) -> list[list[str]]:
+    """The arguments of each ``python -m jaxdist.train`` in ``tokens``, and of the trainer
+    behind ``sbatch script.sh ARGS`` (what follows the script goes to the trainer)."""
+    found = []
+    for i in range(len(tokens)):
+        if tokens[i : i + 3] == TRAIN:
+            rest = tokens[i + 3 :]
+        elif tokens[i] == "sbatch":
+            script = next(j for j in range(i, len(tokens)) if tokens[j].endswith(".sh"))
+            assert (ROOT / tokens[script]).is_file(), f"no script {tokens[script]}"
+            rest = tokens[script + 1 :]
+        else:
+            continue
+        end = next((j for j, t in enumerate(rest) if t in SEPARATORS), len(rest))
+        found.append(rest[:end])
+    return found
+
+
+def steps_for(tokens: list[str], runs_seen: dict[str, int]) -> int:
+    profile = flag(tokens, "--profile")
+    if profile:
+        return int(profile.split(":")[1])
+    run_dir = flag(tokens, "--run-dir")
+    return STEPS * (runs_seen.get(run_dir, 0) + 1)
+
+
+# --- the blocks, run
+
+
+def blocks() -> list:
+    cases = []
+    for page in PAGES:
+        for fence in fences(page):
+            commands = commands_of(fence) if fence.lang in SHELL else []
+            if any(not c.skip for c in commands):
+                where = f"{page.relative_to(ROOT)}:{fence.line}"
+                cases.append(pytest.param(commands, id=where))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def command_env(tmp_path_factory):
+    """The environment the commands run in: the CPU platform, the device count each
+    command's own flags give (as ``helpers.run_module``), ``python`` this interpreter, a
+    cache of this module's own holding the standard-library corpus (the GPT's default)
+    with its held-out split cut to its first ``EVAL_TOKENS`` tokens, and XLA's compiled
+    programs shared by this session's workers (each program compiles once)."""
+    from jaxdist.data import text, tokens
+
+    cache = tmp_path_factory.mktemp("readme-cache")
+    session = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's: popen-gwN in the session's
+        session = session.parent
+    held_out = text.stdlib_corpus(cache, progress=False)["eval"]
+    meta = tokens.read_sidecar(held_out)
+    ids = np.fromfile(held_out, dtype=meta["dtype"])[:EVAL_TOKENS]
+    tokens.write_token_file(
+        held_out,
+        ids,
+        vocab_size=meta["vocab_size"],
+        documents=1,
+        sources=f"{meta['sources']}, held-out split cut to {EVAL_TOKENS} tokens by the test",
+    )
+    bin_dir = cache / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    (bin_dir / "python").chmod(0o755)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXDIST_CACHE": str(cache)}
+    env["JAX_COMPILATION_CACHE_DIR"] = str(session / "readme-commands-xla")
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+@pytest.mark.parametrize("commands", blocks())
+def test_block_runs_as_printed(commands, command_env, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in LINKED:
+        (work / name).symlink_to(ROOT / name)
+    for name, content in page_files(commands[0].page).items():
+        (work / name).write_text(content)
+    runs_seen: dict[str, int] = {}
+    for command in commands:
+        if command.skip:
+            continue
+        tokens, line = command.tokens, command.code
+        steps = None
+        if command.expect is None and train_args(tokens):
+            last = max(i for i in range(len(tokens)) if tokens[i : i + 3] == TRAIN)
+            assert not SEPARATORS & set(tokens[last:]), f"{command.where}: the trainer last"
+            steps = steps_for(tokens, runs_seen)
+            line += f" --steps {steps} --log-every 1"
+        before, cpu_before = runs_in(work), children_cpu_s()
+        proc = subprocess.run(
+            ["bash", "-c", line],
+            cwd=work,
+            env=command_env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )
+        print(f"{command.where}: {children_cpu_s() - cpu_before:.1f} s of CPU: {line}")
+        output = f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+        said = f"{command.where}: {line}\n{output}"
+        assert proc.returncode == (command.expect or 0), said
+        printed = {text.strip() for text in (proc.stdout + proc.stderr).splitlines()}
+        for expected in command.output:
+            assert expected in printed, f"{said}\n--- expected the line\n{expected}"
+        if command.expect is not None:
+            check_failure(command, proc, work, before, said)
+        elif steps is not None:
+            run_dir = flag(tokens, "--run-dir")
+            if run_dir is None:
+                made = runs_in(work) - before
+                assert len(made) == 1, f"{said}\nexpected one new directory in runs/: {made}"
+                run_dir = made.pop()
+            check_run(work / run_dir, tokens, steps, said)
+            runs_seen[run_dir] = runs_seen.get(run_dir, 0) + 1
+        check_outputs(tokens, work, said)
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def runs_in(work: Path) -> set[str]:
+    runs = work / "runs"
+    return {f"runs/{p.name}" for p in runs.iterdir()} if runs.is_dir() else set()
+
+
+def check_run(run_dir: Path, tokens: list[str], steps: int, said: str) -> None:
+    """What the README's run-directory section says a run writes."""
+    for name in ("config.yaml", "metrics.jsonl", "goodput.json"):
+        assert (run_dir / name).is_file(), f"{said}\nno {name} in {run_dir}"
+    assert (run_dir / "checkpoints" / str(steps)).is_dir(), f"{said}\nno checkpoint {steps}"
+    logged = [record["step"] for record in metrics_of(run_dir)]
+    assert logged == list(range(1, steps + 1)), f"{said}\nmetrics.jsonl steps {logged}"
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["train"]["run_dir"] == "", f"{said}\nconfig.yaml names its run_dir"
+    if "--no-tensorboard" not in tokens:
+        assert any((run_dir / "tb").iterdir()), f"{said}\nno TensorBoard files"
+    if flag(tokens, "--profile"):
+        assert (run_dir / "profile").is_dir(), f"{said}\nno profile/"
+
+
+def check_outputs(tokens: list[str], work: Path, said: str) -> None:
+    """The files a data or report command says it writes."""
+    if tokens[:4] == ["python", "-m", "jaxdist.data", "prepare"]:
+        out = work / flag(tokens, "--out")
+        names = ["train.bin"]
+        if float(flag(tokens, "--eval-fraction") or 0.02) > 0:
+            names.append("eval.bin")
+        for name in names:
+            assert (out / name).is_file(), f"{said}\nno {name}"
+            assert (out / f"{name}.json").is_file(), f"{said}\nno sidecar of {name}"
+    if tokens[:3] == ["python", "-m", "jaxdist.report"]:
+        page = work / flag(tokens, "--out")
+        assert page.is_file(), f"{said}\nno {page.name}"
+        assert list(page.parent.glob(f"{page.stem}-*.png")), f"{said}\nno PNGs beside it"
+
+
+def check_failure(command: Command, proc, work: Path, before: set[str], said: str) -> None:
+    """A command meant to fail: bad input is one line and writes nothing; a hang leaves
+    its report."""
+    run_dir = flag(command.tokens, "--run-dir")
+    if command.expect == 2:
+        lines = [text for text in proc.stderr.splitlines() if text.strip()]
+        assert len(lines) == 1 and lines[0].startswith("jaxdist: error: "), said
+        assert runs_in(work) == before, f"{said}\nbad input wrote a run directory"
+        assert run_dir is None or not (work / run_dir).exists(), said
+    if command.expect == 77:
+        assert (work / run_dir / "hang-report.txt").is_file(), f"{said}\nno hang-report.txt"
+        causes = [record["cause"] for record in failures_of(work / run_dir)]
+        assert causes == ["hang"], f"{said}\nfailures.jsonl: {causes}"
+
+
+# --- every line accounted for
+
+
+def test_every_shell_line_runs_or_is_marked(capsys):
+    commands = shell_commands()
+    neither = [f"{c.where}: {c.code}" for c in commands if not c.skip and not c.runnable]
+    assert not neither, "neither runnable here nor marked # needs: / # server:\n" + "\n".join(
+        neither
+    )
+    skipped = [c for c in commands if c.skip]
+    ran = len(commands) - len(skipped)
+    with capsys.disabled():
+        print(f"\nREADME and docs: {ran} commands run, {len(skipped)} skipped (marked)")
+    assert len(skipped) <= MAX_SKIPPED, (
+        f"{len(skipped)} lines skipped: the ones that cannot run here are to stay a small set "
+        "(raise MAX_SKIPPED only for a command that truly cannot run in this test)"
+    )
+
+
+def test_skipped_commands_still_parse():
+    """A line that cannot run here still names real flags with valid values."""
+    from jaxdist.errors import ConfigError
+    from jaxdist.train import config as config_lib
+
+    for command in shell_commands():
+        if not command.skip:
+            continue
+        for args in train_args(command.tokens):
+            assert "--config" not in args, f"{command.where}: cannot check --config here"
+            try:
+                config_lib.parse_args(args)
+            except ConfigError as err:
+                pytest.fail(f"{command.where}: {command.code}\n{err}")
+
+
+def test_the_readme_opens_with_the_two_commands():
+    first = [c.code for c in shell_commands([ROOT / "README.md"])[:2]]
+    assert first == [
+        "pip install -e . && python -m jaxdist.train --cpu-devices 8",
+        'pip install -e ".[test]" && pytest',
+    ]
+
+
+# --- what the pages name exists
+
+
+def prose(page: Path) -> str:
+    return page.read_text()
+
+
+def test_named_paths_exist():
+    missing = []
+    pattern = re.compile(r"(?<![\w/.~-])((?:jaxdist|tests|experiments|slurm|docs)/[\w./*-]*[\w*])")
+    for page in PROSE:
+        text = prose(page)
+        names = set(pattern.findall(text))
+        if page.parent.name == "tests":  # tests/README.md names its files without tests/
+            names |= {f"tests/{n}" for n in re.findall(r"(?<![\w/])(test_[\w*]+\.py)", text)}
+        for name in names:
+            if not list(ROOT.glob(name.rstrip("/"))):
+                missing.append(f"{page.relative_to(ROOT)}: {name}")
+    assert not missing, "\n".join(sorted(missing))
+
+
+def test_named_modules_exist():
+    missing = []
+    for page in PROSE:
+        text = prose(page)
+        for module in set(re.findall(r"python -m (jaxdist[\w.]*)", text)):
+            if importlib.util.find_spec(module) is None:
+                missing.append(f"{page.relative_to(ROOT)}: python -m {module}")
+        for dotted in set(re.findall(r"`(jaxdist(?:\.\w+)+)", text)):
+            if not resolves(dotted):
+                missing.append(f"{page.relative_to(ROOT)}: {dotted}")
+    assert not missing, "\n".join(sorted(missing))
+
+
+def resolves(dotted: str) -> bool:
+    """``jaxdist.a.b.name``: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(value, name):
+                return False
+            value = getattr(value, name)
+        return True
+    return False
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors for the page's headings (outside fences)."""
+    found, in_fence = set(), False
+    for text in page.read_text().splitlines():
+        if text.strip().startswith("```"):
+            in_fence = not in_fence
+        elif not in_fence and text.startswith("#"):
+            title = text.lstrip("#").strip().lower()
+            found.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return found
+
+
+def test_links_and_anchors_resolve():
+    broken = []
+    for page in PROSE:
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose(page)):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_cli_reference_lists_every_flag():
+    from jaxdist.train import config as config_lib
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| flag | default | meaning |") :].split("\n\n", 1)[0]
+    listed = set()
+    for row in table.splitlines()[2:]:
+        listed |= set(re.findall(r"`(--[\w-]+)", row.split("|")[1]))
+    parser = config_lib.build_parser()
+    flags = {f for f in parser._option_string_actions if f.startswith("--") and "." not in f}
+    flags -= {"--help"}
+    negated = {f for f in flags if f.startswith("--no-") and f"--{f[5:]}" in flags}
+    assert listed - flags == set(), "listed, but not a flag"
+    assert flags - negated - listed == set(), "a flag the CLI reference does not list"
