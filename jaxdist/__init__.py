@@ -27,7 +27,14 @@ does not import it, nor the trainer's distributed health (``jaxdist.health``).
 """
 
 from jaxdist import flops, sinks
-from jaxdist.cluster import ProcessInfo, barrier, initialize, is_main_process, print_main
+from jaxdist.cluster import (
+    ProcessInfo,
+    barrier,
+    cpu_backend,
+    initialize,
+    is_main_process,
+    print_main,
+)
 from jaxdist.data import DistributedSampler, EvalSampler
 from jaxdist.errors import ConfigError, JaxdistError, ModelError
 from jaxdist.launch import SpawnError, spawn
@@ -47,6 +54,9 @@ from jaxdist.parallel import (
 )
 
 __version__ = "0.1.0"
+
+# Importing jaxdist starts no backend; JAX creates its CPU one later, with this many threads.
+cpu_backend.size_thread_pool()
 
 __all__ = [
     "BadBatchError",

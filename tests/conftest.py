@@ -14,6 +14,10 @@ os.environ["JAX_NUM_CPU_DEVICES"] = "8"
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+from jaxdist.cluster import cpu_backend  # noqa: E402
+
+cpu_backend.size_thread_pool(8)  # jaxdist's own pool size, before the backend starts
+
 jax.config.update("jax_num_cpu_devices", 8)
 assert jax.device_count() == 8, jax.devices()
 

@@ -40,11 +40,13 @@ def relative_error(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def run_module(module: str, *args, cwd=None, timeout=300, env_extra=None):
+def run_module(module: str, *args, cwd=None, timeout=300, env_extra=None, env_drop=()):
     """``python -m module args...`` on the CPU platform, output captured, no stdin. The
-    command's own flags decide the device count (the suite's 8 is not inherited)."""
+    command's own flags decide the device count (the suite's 8 is not inherited);
+    ``env_drop``: variables a user's shell would not have."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
-    env.pop("JAX_NUM_CPU_DEVICES", None)
+    for name in ("JAX_NUM_CPU_DEVICES", *env_drop):
+        env.pop(name, None)
     return subprocess.run(
         [sys.executable, "-m", module, *args],
         capture_output=True,

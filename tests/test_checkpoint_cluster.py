@@ -89,8 +89,9 @@ class Uninterrupted:
 def uninterrupted(tmp_path_factory) -> Uninterrupted:
     """The reference run, started as plain defaults would: no --run-dir and no run id
     (JAXDIST_RUN_ID empty: the launcher then names none), so process 0's clock names the
-    run directory; no --compile-cache, with its own JAXDIST_CACHE (and a minimum compile
-    time of 0, so that every program is written however fast it compiles)."""
+    run directory; its own compilation cache (on CPU jaxdist uses one only when given:
+    ``jaxdist.train.resume.use_compile_cache``), with a minimum compile time of 0, so that
+    every program is written however fast it compiles."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
     (tmp / "skewed_train.py").write_text(SKEWED_TRAIN)
     out = tmp / "params.npz"
@@ -98,7 +99,8 @@ def uninterrupted(tmp_path_factory) -> Uninterrupted:
     env |= {"JAX_COMPILATION_CACHE_DIR": "", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     done, _ = launch(
         *GROUP, "--", sys.executable, "skewed_train.py", *TRAIN[3:], *CHECKPOINTS,
-        "--save-params", str(out), cwd=tmp, timeout=120, env_extra=env,
+        "--save-params", str(out), "--compile-cache", str(tmp / "cache" / "xla"),
+        cwd=tmp, timeout=120, env_extra=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     assert "resumed" not in done.stdout
@@ -117,8 +119,8 @@ def test_the_default_run_dir_is_process_0s_on_every_process(uninterrupted):
     assert checkpoint_steps(uninterrupted.cwd / "runs" / names[0])[0] == STEPS
 
 
-def test_the_compilation_cache_is_on_by_default(uninterrupted):
-    """No --compile-cache: the compiled programs are in the jaxdist cache's xla/."""
+def test_the_compilation_cache_given_is_written(uninterrupted):
+    """--compile-cache DIR: the compiled programs are there."""
     written = [p.name for p in (uninterrupted.cwd / "cache" / "xla").glob("*train_step*")]
     assert written, sorted(p.name for p in (uninterrupted.cwd / "cache").rglob("*"))
 

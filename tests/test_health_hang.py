@@ -34,7 +34,11 @@ def train_args(run_dir: Path, *extra: str, devices: int = 4) -> list[str]:
 
 # (fault environment, extra flags, the (file, function) process 1's stacks must show)
 SCENARIOS = {
-    "stuck data read": ({"JAXDIST_FAULT": "stall-data@1:6"}, [], ("fault_injection.py", "_stalling")),
+    "stuck data read": (
+        {"JAXDIST_FAULT": "stall-data@1:6"},
+        [],
+        ("fault_injection.py", "_stalling"),
+    ),
     "infinite loop in user code": (
         {},
         ["--data", "faulty_user:spinning"],

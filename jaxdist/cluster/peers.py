@@ -111,13 +111,37 @@ def _on_abort(signum: int) -> None:
                 "JAXDIST_PROCESS_ID) and took its place"
             )
             os._exit(failures.BAD_INPUT)
-        culprit, why = name_dead(wait_s=0.0)
+        culprit, why = name_dead(wait_s=0.0) if _STATE.count > 1 else (None, "")
         if culprit is None:
-            _say("native code aborted this process (its message is above)")
-            os._exit(128 + signal.SIGABRT)
+            _native_abort()
         end_for_dead_peer(culprit, why)
     except BaseException:
         os._exit(128 + signal.SIGABRT)
+
+
+def _native_abort() -> None:
+    """XLA aborted this process, no peer being dead: most often a collective that never
+    completed (XLA:CPU gives up after 40 s: ``Termination timeout for all reduce``). One
+    line saying what was running, a ``failures.jsonl`` record, exit 128 + SIGABRT."""
+    watchdog, code = _STATE.watch, 128 + signal.SIGABRT
+    phase, step = (watchdog.phase_name, watchdog.phase_step) if watchdog else ("", None)
+    doing = f" in the {phase} phase of step {step}" if watchdog else ""
+    message = (
+        f"native code (XLA) aborted this process{doing}; its message, if any, is above (XLA "
+        "aborts when a collective's participants never all arrive)"
+    )
+    _say(message)
+    failure = failures.Failure(
+        cause="aborted",
+        message=message,
+        process=_STATE.index,
+        host=failures.hostname(),
+        step=step,
+        exit_code=code,
+        reported_by=_STATE.index,
+    )
+    failures.record(getattr(watchdog, "run_dir", None), failure)
+    os._exit(code)
 
 
 # What gloo, NCCL and the coordination client say when the other end is gone.

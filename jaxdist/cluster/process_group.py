@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import jax
 
-from jaxdist.cluster import environment, failures, peers, shutdown, store
+from jaxdist.cluster import cpu_backend, environment, failures, peers, shutdown, store
 from jaxdist.cluster.environment import ClusterSpec
 from jaxdist.cluster.service import claim_process_zero, service_address
 from jaxdist.errors import JaxdistError
@@ -39,6 +39,7 @@ def use_cpu_devices(count: int) -> None:
     afterwards it is accepted only if the backend already has exactly that many."""
     if not count:
         return
+    cpu_backend.size_thread_pool(count)
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", count)
@@ -147,6 +148,9 @@ def initialize(
     if spec.multi_process and not jax.distributed.is_initialized():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         _join(spec, init_timeout, heartbeat_timeout, coordinator_bind_address, health)
+    elif health and not spec.multi_process:  # one process: an XLA abort is still named
+        peers.install_abort_handler(0, 1)
+        peers.joined("")
     return ProcessInfo(
         process_index=jax.process_index(),
         process_count=jax.process_count(),

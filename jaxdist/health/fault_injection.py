@@ -10,6 +10,7 @@ spin        the training loop's thread spins for ever before the step (an infini
 deadlock    the loop's thread waits for a lock it holds (a deadlocked callback)
 program     its training step differs: the loss is scaled by 1 + 2^-20 (STEP is ignored)
 flip        one bit of a parameter flips on its first device before the step
+abort       a native thread calls abort() as the step starts (XLA giving up on a collective)
 ==========  ==============================================================================
 
 Unset (the normal case) it costs one dictionary lookup per step.
@@ -31,7 +32,7 @@ import numpy as np
 from jaxdist.errors import ConfigError
 
 VARIABLE = "JAXDIST_FAULT"
-KINDS = ("kill", "freeze", "stall-data", "spin", "deadlock", "program", "flip")
+KINDS = ("kill", "freeze", "stall-data", "spin", "deadlock", "program", "flip", "abort")
 PROGRAM_SCALE = 1.0 + 2.0**-20
 
 
@@ -107,6 +108,8 @@ class Faults:
             lock.acquire()  # never returns
         if fault.kind == "flip":
             return flip_a_bit(state)
+        if fault.kind == "abort":  # from another thread, as XLA's runtime aborts
+            threading.Timer(0.2, os.abort).start()
         return state
 
 

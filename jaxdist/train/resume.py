@@ -30,17 +30,24 @@ class Start:
     earlier_last_step: int  # the last step earlier attempts reached (resumed or restarted)
 
 
-def use_compile_cache(setting: str) -> Path | None:
+def use_compile_cache(setting: str, platform: str = "") -> Path | None:
     """JAX's persistent compilation cache: a restarted or requeued run loads its compiled
     programs instead of compiling them again (shared/jax-notes fact 10: 4.5 s -> 0.4 s for
     a 60-layer gradient on CPU). Programs that compile in under 0.5 s are not written
-    (unless JAX's own JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise)."""
-    if setting == "off":
+    (unless JAX's own JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise).
+
+    Off by default on the CPU ``platform``: a pipelined GPT's step loaded from the cache
+    starts its collectives in another order on each device (its ppermutes and
+    all-reduces: XLA:CPU rebuilds each collective with an ordering resource of its own),
+    and XLA aborted the run in its rendezvous, while the same step compiled afresh ran
+    (``tests/test_collective_order.py``). A directory given (``--compile-cache DIR``,
+    ``JAX_COMPILATION_CACHE_DIR``) is used on CPU too: jaxdist's thread pool
+    (``jaxdist.cluster.cpu_backend``) lets such runs finish as well."""
+    given = setting or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if setting == "off" or (platform == "cpu" and not given):
         return None
     # --compile-cache, else JAX's own variable (slurm/*.sh set it), else the jaxdist cache
-    path = Path(
-        setting or os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_cache_dir() / "xla"
-    )
+    path = Path(given or default_cache_dir() / "xla")
     jax.config.update("jax_compilation_cache_dir", str(path))
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # JAX read it already
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
