@@ -66,7 +66,10 @@ def xla_step_flops(program, device_count: int) -> float | None:
 
 
 def n_params(dp, program) -> int:
-    """Parameters of the model (one copy: pmap's state holds one per device)."""
+    """Parameters of the model (one copy: pmap's state holds one per device). For the GPT
+    this counts the token embedding's padded rows (``jaxdist.models.gpt.padded_vocab``:
+    257 -> 384), as GPT-2 practice does (50304 rows, not 50257): the tied output matmul
+    computes their logits too, before they are sliced off."""
     total = sum(x.size for x in jax.tree.leaves(program.state.params))
     return total // (dp.layout.copies or 1)
 

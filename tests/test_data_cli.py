@@ -66,7 +66,7 @@ def test_token_files_with_vocabulary_from_the_sidecar(tmp_path):
     last = metrics_of(tmp_path / "run")[-1]
     assert last["eval_count"] == (500 - 1) // 16  # windows of 17 tokens at stride 16
     embeddings = [v.shape for v in np.load(tmp_path / "params.npz").values()]
-    assert (1000, 16) in embeddings  # the vocabulary came from the sidecar
+    assert (1024, 16) in embeddings  # the sidecar's vocabulary 1000, padded to 128s
     assert "eval_bpb" not in last  # not byte-level text
 
 

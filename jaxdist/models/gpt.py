@@ -4,7 +4,13 @@ Parameters carry logical axis names (``nnx.with_partitioning``), Megatron-style:
 fc column-parallel (embed, heads/mlp), proj and out row-parallel (heads/mlp, embed), the
 token embedding (vocab, embed). They change nothing by themselves: ``jaxdist.parallel.layout``
 maps them to mesh axes (a data-only mesh replicates everything). The model is built with
-flax's eager sharding off, so it can be built anywhere, with or without a mesh."""
+flax's eager sharding off, so it can be built anywhere, with or without a mesh.
+
+The token embedding has ``padded_vocab(vocab_size, pad_vocab_to)`` rows, a multiple of 128
+by default (257 -> 384, GPT-2's 50257 -> 50304), as GPT-2 and Megatron training code pads
+it: a ``model`` axis of any power of two up to 128 divides the vocabulary, the tied matmul
+gets an aligned width. The padded rows are never looked up (the data check keeps ids below
+``vocab_size``) and are sliced off the logits, which stay (B, T, vocab_size)."""
 
 from __future__ import annotations
 
@@ -36,6 +42,13 @@ def _layer_norm(d: int, **kw) -> nnx.LayerNorm:
         bias_init=nnx.with_partitioning(initializers.zeros_init(), ("norm",)),
         **kw,
     )
+
+
+def padded_vocab(vocab_size: int, multiple: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``multiple`` (0 or 1: unchanged)."""
+    if multiple <= 1:
+        return vocab_size
+    return -(-vocab_size // multiple) * multiple
 
 
 def _embed(axes: tuple[str, str]):
@@ -79,15 +92,16 @@ class GPT(nnx.Module):
         attention: str | None = None,
         scan_layers: bool = False,
         remat: str = "none",
+        pad_vocab_to: int = 128,
         rngs: nnx.Rngs,
     ):
         check_remat(remat)
         self.remat = remat
+        self.vocab_size = vocab_size  # the real vocabulary: the logits' width
         with nnx.use_eager_sharding(False):  # names only; jaxdist.parallel.layout places them
             kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-            self.tok = nnx.Embed(
-                vocab_size, d_model, embedding_init=_embed(("vocab", "embed")), **kw
-            )
+            rows = padded_vocab(vocab_size, pad_vocab_to)  # >= vocab_size, see the docstring
+            self.tok = nnx.Embed(rows, d_model, embedding_init=_embed(("vocab", "embed")), **kw)
             self.pos = nnx.Embed(seq_len, d_model, embedding_init=_embed(("length", "embed")), **kw)
 
             def block(rngs):
@@ -109,5 +123,13 @@ class GPT(nnx.Module):
         else:
             for block in self.blocks:
                 x = call_block(block, x, self.remat)
-        # Output head tied to the token embedding: (B, T, D) @ (D, vocab).
-        return self.tok.attend(self.ln_f(x))
+        # Output head tied to the token embedding: (B, T, D) @ (D, padded vocab), then the
+        # padded columns cut off. Sliced rather than masked to a large negative value: the
+        # logits keep their width (B, T, vocab_size), so next_token_loss, the eval's
+        # bits per byte, argmax and any user loss (a one-hot of vocab_size classes) see
+        # exactly the model they saw before padding, and no padded id can take probability
+        # mass or be sampled. The matmul still covers the padded rows (their columns are
+        # computed, then dropped), which is why jaxdist.flops counts them in N; their
+        # gradient is zero. Where `model` splits the vocabulary, the cut makes the shards
+        # uneven: XLA moves under 128 logit columns per device (a collective-permute).
+        return self.tok.attend(self.ln_f(x))[..., : self.vocab_size]

@@ -6,7 +6,9 @@ A parameter's ``PartitionSpec`` comes from, in order:
    ``nn.with_logical_partitioning`` through flax's bridge): logical names stored as the
    Variable metadata ``out_sharding``, mapped to mesh axes by ``LOGICAL_RULES`` (which
    the user may override name by name: ``logical_rules``, the ``logical:`` part of
-   ``--rules``);
+   ``--rules``). Fewer names than dimensions name the leading ones, the rest unsharded,
+   as flax's ``get_partition_spec`` and JAX's ``PartitionSpec`` read them (``nn.DenseGeneral``
+   annotates its (embed, heads, head_dim) kernel with the names of its flat 2-d init);
 2. the user's path rules (``rules=[(regex, axes), ...]``, ``--rules file.yaml``): the
    first regex that matches the path ("blocks/0/fc/kernel") gives one mesh axis (or a
    tuple of axes, or None) per dimension;
@@ -14,8 +16,11 @@ A parameter's ``PartitionSpec`` comes from, in order:
    over ``fsdp``; arrays under ``MIN_SHARDED`` elements stay replicated.
 Mesh axes of size 1 are dropped, so a data-only mesh replicates everything. Optimizer
 state follows its parameter (same path suffix, same shape); the step counter, batch
-statistics and RNG state are replicated. An axis that does not divide its dimension is
-an error naming the parameter, its shape and the axis.
+statistics and RNG state are replicated. A ``model`` or ``stage`` axis that does not
+divide its dimension is an error naming the parameter, its shape and the axis: where they
+lie changes the computation. ``fsdp`` only decides where bytes are stored, so a dimension
+it does not divide gives way: the array is split over fsdp on another dimension (as the
+default would), or replicated if none fits; process 0 says how many arrays did so.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel.device_mesh import AXES, DATA, axis_size
+
+FSDP = "fsdp"
 
 # Logical axis names (Flax / MaxText vocabulary) -> mesh axes. A name that is itself a
 # mesh axis means that axis; a name not listed here is replicated.
@@ -67,14 +74,22 @@ def state_shardings(abstract_state, mesh: Mesh, rules=None, logical_rules=None):
     replicated = NamedSharding(mesh, P())
     params = getattr(abstract_state, "params", abstract_state)
     by_path: dict[tuple, tuple[tuple[int, ...], NamedSharding]] = {}
+    moved: list[str] = []  # arrays whose named fsdp dimension gave way
 
     def param(path, leaf):
         name, shape = path_name(path), _shape(leaf)
-        spec = _param_spec(name, shape, _metadata(leaf), mesh, table, path_rules)
+        spec = _param_spec(name, shape, _metadata(leaf), mesh, table, path_rules, moved)
         by_path[_keys(path)] = (shape, NamedSharding(mesh, spec))
         return by_path[_keys(path)][1]
 
     param_shardings = _map(param, params)
+    if moved and jax.process_index() == 0:
+        print(
+            f"jaxdist: layout: {len(moved)} parameter(s) name a dimension that fsdp="
+            f"{mesh.shape[FSDP]} does not divide, so fsdp stores them split over another "
+            f"dimension or replicated (it changes no number), e.g. {moved[0]}",
+            flush=True,
+        )
     if params is abstract_state:
         return param_shardings
 
@@ -125,34 +140,45 @@ def fsdp_use(param_shardings):
     return lambda params: jax.lax.with_sharding_constraint(params, use)
 
 
-def _param_spec(name, shape, metadata, mesh, table, path_rules) -> P:
+def _param_spec(name, shape, metadata, mesh, table, path_rules, moved) -> P:
     logical = metadata.get("out_sharding") or metadata.get("sharding_names")
     logical = logical or metadata.get("sharding")
     if logical:
-        axes = tuple(_to_mesh(n, table, mesh) for n in _as_tuple(logical, shape, name))
-        return _checked(name, shape, axes, mesh, f"annotation {tuple(logical)}")
+        names = _as_tuple(logical, shape, name, pad=True)
+        axes = tuple(_to_mesh(n, table, mesh) for n in names)
+        return _checked(name, shape, axes, mesh, f"annotation {tuple(logical)}", moved)
     for pattern, axes in path_rules:
         if pattern.search(name):
-            return _checked(
-                name, shape, _as_tuple(axes, shape, name), mesh, f"rule {pattern.pattern!r}"
-            )
-    fsdp = mesh.shape.get("fsdp", 1)
+            axes = _as_tuple(axes, shape, name)
+            return _checked(name, shape, axes, mesh, f"rule {pattern.pattern!r}", moved)
+    return _spec(_fsdp_elsewhere(shape, [None] * len(shape), mesh))
+
+
+def _fsdp_elsewhere(shape, out: list, mesh) -> list:
+    """``out`` with fsdp on the largest dimension it divides that no other axis splits;
+    unchanged for an array under ``MIN_SHARDED`` elements or without such a dimension.
+    The default layout under fsdp, and where a named dimension fsdp cannot split goes."""
+    fsdp = mesh.shape.get(FSDP, 1)
     size = 1
     for d in shape:
         size *= d
     if fsdp == 1 or size < MIN_SHARDED:
-        return P()
-    dims = sorted(range(len(shape)), key=lambda i: -shape[i])
-    for i in dims:
-        if shape[i] % fsdp == 0:
-            return P(*[("fsdp" if j == i else None) for j in range(len(shape))])
-    return P()
+        return out
+    for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
+        if out[i] is None and shape[i] % fsdp == 0:
+            return [FSDP if j == i else e for j, e in enumerate(out)]
+    return out
 
 
-def _checked(name, shape, axes, mesh, why) -> P:
-    """Drops size-1 and repeated mesh axes; checks that each dimension divides."""
+def _spec(out) -> P:
+    return P(*out) if any(out) else P()
+
+
+def _checked(name, shape, axes, mesh, why, moved) -> P:
+    """Drops size-1 and repeated mesh axes; checks that each dimension divides, except
+    that fsdp gives way (``_fsdp_elsewhere``, noted in ``moved``)."""
     used: set[str] = set()
-    out = []
+    out, gave_way = [], False
     for dim, entry in zip(shape, axes, strict=True):
         names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
         for a in names:
@@ -162,14 +188,22 @@ def _checked(name, shape, axes, mesh, why) -> P:
                     f"of {', '.join(mesh.axis_names)}"
                 )
         names = tuple(a for a in names if mesh.shape[a] > 1 and a not in used)
-        used.update(names)
+        rest = tuple(a for a in names if a != FSDP)
+        if dim % axis_size(mesh, names) and rest != names and dim % axis_size(mesh, rest) == 0:
+            names, gave_way = rest, True  # only fsdp does not divide: stored elsewhere
         if dim % axis_size(mesh, names):
             raise LayoutError(
                 f"parameter {name} of shape {tuple(shape)}: dimension {dim} is not divisible "
-                f"by mesh axis {'x'.join(names)} of size {axis_size(mesh, names)} ({why})"
+                f"by mesh axis {'x'.join(names)} of size {axis_size(mesh, names)} ({why}); "
+                "give the model a size that divides, change --mesh, or map the name to "
+                "another axis or None (logical_rules=, the logical: part of --rules)"
             )
+        used.update(names)
         out.append(None if not names else names[0] if len(names) == 1 else names)
-    return P(*out) if any(out) else P()
+    if gave_way and FSDP not in used:
+        out = _fsdp_elsewhere(shape, out, mesh)
+        moved.append(f"{name} {tuple(shape)} ({why}): {_spec(out)}")
+    return _spec(out)
 
 
 def _to_mesh(logical, table, mesh):
@@ -178,8 +212,12 @@ def _to_mesh(logical, table, mesh):
     return table.get(logical)
 
 
-def _as_tuple(axes, shape, name) -> tuple:
+def _as_tuple(axes, shape, name, pad=False) -> tuple:
+    """One entry per dimension. ``pad`` (annotations): fewer name the leading dimensions
+    and the rest are unsharded, as flax's ``get_partition_spec`` and JAX read them."""
     axes = (axes,) if axes is None or isinstance(axes, str) else tuple(axes)
+    if pad and len(axes) < len(shape):
+        axes += (None,) * (len(shape) - len(axes))
     if len(axes) != len(shape):
         raise LayoutError(
             f"parameter {name} of shape {tuple(shape)}: {len(axes)} axes {axes} for "

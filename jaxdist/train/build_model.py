@@ -37,7 +37,7 @@ def _mlp(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
 def _gpt(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     from jaxdist.models.gpt import GPT
 
-    return GPT(
+    return GPT(  # the GPT pads its embedding rows to a multiple of 128 itself
         cfg.vocab_size or BYTE_VOCAB,
         cfg.seq_len,
         cfg.d_model,

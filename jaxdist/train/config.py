@@ -103,7 +103,8 @@ class TrainConfig:
     # "": every device on data. pmap takes data only.
     mesh: str = ""
     rules: str = ""  # YAML file of [regex on a param path, [axis or null per dim]] pairs
-    # pipeline (--mesh stage=S): microbatches of the GPipe schedule; 0 = 4 x S
+    # pipeline (--mesh stage=S): microbatches of the GPipe schedule; 0 = auto: the largest
+    # count <= 4 x S that divides the rows each pipeline replica holds per step
     microbatches: int = 0
     save_params: str = ""  # write the final params to this .npz (process 0)
     eval_every: int = 0  # run the held-out set every N steps and at the end; 0 = never
@@ -122,7 +123,7 @@ class TrainConfig:
     resume: Literal["auto", "never"] = "auto"
     overwrite: bool = False  # start afresh in a run dir that holds an earlier run
     # XLA's persistent compilation cache, shared by runs: "" = the jaxdist cache's xla/
-    # ($JAXDIST_CACHE or ~/.cache/jaxdist); "off": none
+    # ($JAXDIST_CACHE or ~/.cache/jaxdist), but none on CPU (train/resume.py); "off": none
     compile_cache: str = ""
     # what a run shows: TensorBoard event files in RUN_DIR/tb (process 0)
     tensorboard: bool = True

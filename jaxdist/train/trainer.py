@@ -24,6 +24,7 @@ from jaxdist.health.replica_check import ReplicaDivergenceError
 from jaxdist.losses import default_eval, default_loss
 from jaxdist.parallel import strategies
 from jaxdist.parallel.device_mesh import batch_shards, parse_mesh
+from jaxdist.parallel.strategies import pipeline
 from jaxdist.sinks.goodput import process_clock_start
 from jaxdist.train import build_data, ending, resume
 from jaxdist.train import config as config_lib
@@ -78,13 +79,12 @@ def setup(config: Config, write: bool = False) -> Run:
     health = RunHealth(config.dist, info)  # the watchdog watches set-up too
     print(f"[rank {info.process_index}] {info}", flush=True)  # one line per process
     try:
-        resume.use_compile_cache(cfg.compile_cache)
+        resume.use_compile_cache(cfg.compile_cache, info.platform)
         run_dir, plan = resume.prepare_run_dir(config, write)
         health.watch.run_dir = run_dir
         with ending.in_run_dir(run_dir):
-            health.agree_setup(
-                config_lib.to_dict(config), info
-            )  # same config, versions and counts everywhere
+            # the same config, versions and counts on every process
+            health.agree_setup(config_lib.to_dict(config), info)
             return _setup_run(config, info, stop, health, run_dir, plan)
     except BaseException:
         health.close(finished=False)  # this process goes on (a test, a notebook): unwatched
@@ -188,7 +188,11 @@ def make_step(
     loss_fn = import_object(config.model.loss, "--loss") if config.model.loss else None
     loss_fn = wrap_loss(loss_fn or default_loss(task, d.npz_inputs, d.npz_labels))
     schedule = make_schedule(config.optim, cfg.global_batch_size, cfg.steps)
-    return jaxdist.Parallel(
+    microbatches, why = cfg.microbatches, ""  # explicit: Parallel refuses one not dividing
+    if not microbatches and mesh.shape["stage"] > 1:
+        rows = cfg.global_batch_size // batch_shards(mesh) // cfg.grad_accum
+        microbatches, why = pipeline.auto_microbatches(mesh.shape["stage"], rows)
+    dp = jaxdist.Parallel(
         build,
         make_optimizer(config.optim, schedule),
         loss_fn,
@@ -205,8 +209,11 @@ def make_step(
         batch_check=data.row_check,
         rules=rules,
         logical_rules=logical_rules,
-        microbatches=cfg.microbatches,
+        microbatches=microbatches,
     )
+    if dp.pipeline and dp.pipeline.microbatches and why:  # the first log line says why
+        dp.pipeline = dataclasses.replace(dp.pipeline, why=why)
+    return dp
 
 
 def load_data(config: Config, task: str, info: jaxdist.ProcessInfo) -> build_data.Data:

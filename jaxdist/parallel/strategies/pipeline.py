@@ -27,6 +27,21 @@ from jaxdist.models.stack import scan_layers
 from jaxdist.parallel.step import split_microbatches
 
 STAGE = "stage"
+# At most this many microbatches per stage: GPipe (Huang et al., 2019) finds the bubble
+# negligible from M >= 4 S on, and more only shrinks each microbatch's matmuls. It was the
+# fixed default, so a run whose rows it divides keeps the schedule it had.
+PER_STAGE = 4
+
+
+def auto_microbatches(stages: int, rows: int) -> tuple[int, str]:
+    """(M, why): the largest M <= ``PER_STAGE`` x ``stages`` that divides ``rows``, the
+    rows each pipeline replica holds per step (global batch / batch shards / grad-accum)."""
+    cap = PER_STAGE * stages
+    m = max(k for k in range(1, min(cap, rows) + 1) if rows % k == 0)
+    return m, (
+        f"M chosen: the largest count <= {cap} ({PER_STAGE} per stage) dividing the {rows} "
+        "rows each pipeline replica holds per step"
+    )
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -93,6 +108,7 @@ class Pipeline:
 
     stages: int
     microbatches: int  # 0: the stacked layers are split over stages but not scheduled
+    why: str = ""  # how the count was chosen, when it was (auto_microbatches)
 
     def describe(self) -> str:
         if not self.microbatches:
@@ -105,7 +121,7 @@ class Pipeline:
         return (
             f"pipeline: {self.stages} stages x {self.microbatches} microbatches (GPipe), "
             f"bubble (S-1)/(M+S-1) = {self.stages - 1}/{self.microbatches + self.stages - 1} "
-            f"= {bubble:.1%}"
+            f"= {bubble:.1%}" + (f" ({self.why})" if self.why else "")
         )
 
     def check_rows(self, global_rows: int, batch_shards: int, grad_accum: int) -> None:
@@ -115,7 +131,8 @@ class Pipeline:
             raise ConfigError(
                 f"pipeline: {per_device} rows per device per step (global batch {global_rows} "
                 f"/ {batch_shards} batch shards / grad-accum {grad_accum}) do not split into "
-                f"{self.microbatches} microbatches; use --microbatches dividing it, or a "
+                f"{self.microbatches} microbatches; use --microbatches dividing it (the "
+                "command's default, 0, picks the largest up to 4 per stage that does), or a "
                 "larger batch"
             )
 
