@@ -112,35 +112,63 @@ def test_a_rank_killed_mid_training_ends_the_group_at_once(tmp_path, launcher, v
     assert f"rank {victim} failed with exit code 137: it was killed by SIGKILL" in run.text()
 
 
-def exits_at(tmp_path: Path, plan: dict[int, tuple[float, int]], say: str = "") -> str:
-    """A job in which rank r exits with code c at wall-clock time start + t, where
-    plan[r] = (t, c); ``start`` is 4 s from now, so that every rank has started (2 s was
-    too little on a loaded 2-core machine: both ranks then exited at once)."""
-    start = time.time() + 4
-    return script(
-        tmp_path,
-        "job.py",
-        f"import os, sys, time\nrank = int(os.environ['JAXDIST_PROCESS_ID'])\n"
-        f"at, code = {plan!r}[rank]\ntime.sleep(max(0, {start} + at - time.time()))\n"
-        f"print({say!r}.format(rank=rank), flush=True)\nsys.exit(code)\n",
-    )
+JOB = """import os, sys, time
+rank, n = int(os.environ["JAXDIST_PROCESS_ID"]), int(os.environ["JAXDIST_NUM_PROCESSES"])
+after, gap, code = PLAN[rank]
+here = sys.argv[1]
+with open(f"{here}/rank{rank}.pid.tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(f"{here}/rank{rank}.pid.tmp", f"{here}/rank{rank}.pid")
+
+
+def wait_for(condition):
+    deadline = time.monotonic() + 60
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def reaped(other):  # the launcher has waited for it: os.kill(pid, 0) works on a zombie
+    try:
+        os.kill(int(open(f"{here}/rank{other}.pid").read()), 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+wait_for(lambda: all(os.path.exists(f"{here}/rank{r}.pid") for r in range(n)))
+if after is not None:
+    wait_for(lambda: reaped(after))
+time.sleep(gap)
+print(SAY.format(rank=rank), flush=True)
+sys.exit(code)
+"""
+
+
+def exits_at(tmp_path: Path, plan: dict[int, tuple[int | None, float, int]], say: str = ""):
+    """A job in which rank r exits with code c once every rank has started and, with
+    ``after`` a rank, once the launcher has reaped that rank's process, ``gap`` s later:
+    plan[r] = (after, gap, c). Exits are ordered by these events, not by wall-clock
+    delays, which a loaded 2-core machine stretched (both ranks then exited at once)."""
+    path = script(tmp_path, "job.py", f"PLAN = {plan!r}\nSAY = {say!r}\n" + JOB)
+    return [path, str(tmp_path)]
 
 
 @pytest.mark.parametrize("gap", [1.0, 0.05])
 def test_the_first_rank_to_fail_is_named(tmp_path, launcher, gap):
-    """Rank 1 fails first; rank 0 would fail ``gap`` s later (polling every 0.1 s, as the
-    launcher did, sees both at once when the gap is small, and named the lower rank)."""
-    job = exits_at(tmp_path, {1: (0.5, 4), 0: (0.5 + gap, 3)})
-    run = launcher("--nproc", "2", "--", sys.executable, job)
-    assert run.proc.wait(timeout=30) == 4, run.text()
+    """Rank 1 fails first; rank 0 fails ``gap`` s after the launcher has seen it (polling
+    every 0.1 s, as the launcher did, sees both at once when the gap is small, and named
+    the lower rank)."""
+    job = exits_at(tmp_path, {1: (None, 0.0, 4), 0: (1, gap, 3)})
+    run = launcher("--nproc", "2", "--", sys.executable, *job)
+    assert run.proc.wait(timeout=60) == 4, run.text()
     assert "[launch] rank 1 failed with exit code 4" in run.text()
     assert "rank 0 failed" not in run.text()
 
 
 def test_a_preempted_rank_lets_the_others_stop_by_themselves(tmp_path, launcher):
-    job = exits_at(tmp_path, {1: (0.0, 75), 0: (1.0, 75)}, say="rank {rank} stopping")
-    run = launcher("--nproc", "2", "--grace", "10", "--", sys.executable, job)
-    assert run.proc.wait(timeout=30) == 75, run.text()
+    job = exits_at(tmp_path, {1: (None, 0.0, 75), 0: (1, 1.0, 75)}, say="rank {rank} stopping")
+    run = launcher("--nproc", "2", "--grace", "10", "--", sys.executable, *job)
+    assert run.proc.wait(timeout=60) == 75, run.text()
     text = run.text()
     assert "[launch] rank 1 stopped for preemption (exit 75)" in text
     assert "[rank 0] rank 0 stopping" in text  # not ended by the launcher
