@@ -129,10 +129,15 @@ def start_long_training(tmp_path):
     )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (
-        metrics.exists() and len(metrics.read_text().splitlines()) >= 3
-    ):
+
+    def trained() -> bool:
+        return metrics.exists() and len(metrics.read_text().splitlines()) >= 3
+
+    while time.monotonic() < deadline and not trained() and launcher.poll() is None:
         time.sleep(0.2)
+    if not trained():  # say why rather than go on to kill processes that never trained
+        launcher.kill()
+        raise AssertionError(f"no 3 steps logged: {launcher.communicate()[0][-3000:]}")
     pids = [int((tmp_path / str(rank)).read_text()) for rank in (0, 1)]
     return launcher, pids, run_dir
 
