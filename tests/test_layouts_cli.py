@@ -72,9 +72,9 @@ def test_layout_flags_change_where_arrays_live_not_the_numbers(tmp_path, capsys)
     """Two runs that must compute the same. One: ``--scan-layers`` on a 2 x 2 x 2 mesh
     with a rules file whose logical part replicates "heads" (QKV's columns and the
     attention projection's rows, split over model by default as test_layouts checks).
-    Two: ``--remat block`` on two pipeline stages, which turn ``--scan-layers`` on (had
-    the flag not reached the first run's model, the initial values, drawn per block,
-    would differ)."""
+    Two: ``--remat block`` on two pipeline stages, which turn ``--scan-layers`` on (the
+    stacked names show that the flag reached the first run's model: the initial values
+    cannot, every form of the model starts from the same ones)."""
     (tmp_path / "rules.yaml").write_text("logical:\n  heads: null\n")
     rules = ["--rules", str(tmp_path / "rules.yaml")]
     want, ruled = run_gpt("--scan-layers", "--mesh", "data=2,fsdp=2,model=2", *rules)

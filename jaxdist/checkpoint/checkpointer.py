@@ -132,17 +132,23 @@ class Checkpointer:
         restored = self._manager.restore(step, args=args.Composite(meta=args.JsonRestore()))
         return restored["meta"]
 
-    def restore(self, target: dict[str, jax.ShapeDtypeStruct], step: int | None = None):
+    def restore(self, target: dict | list[dict], step: int | None = None):
         """The newest (or the given) checkpoint whose arrays pass their fingerprints, as
         ``(step, arrays, meta)``, each array in ``target``'s sharding (any mesh: orbax
-        reads the parts each device needs). None if there is no checkpoint. A damaged
-        checkpoint is reported and skipped; a checkpoint of another model is an error."""
+        reads the parts each device needs). ``target``: the arrays wanted by name, or a
+        list of such forms of one state (the first the checkpoint holds is read). None
+        if there is no checkpoint. A damaged checkpoint is reported and skipped; a
+        checkpoint of another model is an error, naming the first form's difference."""
+        targets = target if isinstance(target, list) else [target]
         steps = [step] if step is not None else self.steps()
         self.skipped = []  # (step, what is wrong) of each damaged checkpoint passed over
         for candidate in steps:
             meta = self.read_meta(candidate)
-            check_compatible(meta, target, candidate, self.directory)
-            arrays, problem = self._read_verified(candidate, target, meta)
+            held = next((t for t in targets if describe(t) == meta["tree"]), None)
+            if held is None:
+                check_compatible(meta, targets[0], candidate, self.directory)
+                held = targets[0]
+            arrays, problem = self._read_verified(candidate, held, meta)
             if problem is None:
                 return candidate, arrays, meta
             self.skipped.append((candidate, problem))

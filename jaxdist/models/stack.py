@@ -10,6 +10,10 @@ Activation checkpointing (``remat``) of each block: ``"none"`` keeps every activ
 ``"block"`` keeps each block's matmul outputs and recomputes the rest in the backward
 pass (norms, GELU, softmax: cheap); ``"full"`` keeps only each block's input and
 recomputes the whole block. The results are the same; the memory is not.
+
+A stack is the same model as the list of its blocks: layer i starts from exactly the
+values block i of ``nnx.List([make_block(rngs) for _ in range(n)])`` starts from, drawn
+from the same keys, so ``--scan-layers`` and pipeline stages never change the model.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import contextvars
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 REMAT = ("none", "block", "full")
@@ -27,10 +33,15 @@ _POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
 }
 _RUNNER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("runner", default=None)
+# Variable metadata of a stack's arrays: how many path keys follow the stack's "layers"
+# ("blocks/layers/qkv/kernel": 2), so a checkpoint can name layer i "blocks/i/qkv/kernel",
+# as an unstacked list of blocks names it (jaxdist.parallel.saved_state).
+DEPTH = "stack_depth"
 
 
 class Stack(nnx.Module):
-    """``n`` blocks from ``make_block(rngs)``, each with its own initial values, stacked.
+    """``n`` blocks from ``make_block(rngs)``, stacked: layer i holds what the i-th of
+    ``n`` blocks made in turn from ``rngs`` would hold (``make_layers``).
 
     Example::
 
@@ -40,13 +51,10 @@ class Stack(nnx.Module):
 
     def __init__(self, make_block: Callable, n: int, *, rngs: nnx.Rngs, remat: str = "none"):
         check_remat(remat)
-
-        @nnx.split_rngs(splits=n)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make(rngs):
-            return make_block(rngs)
-
-        self.layers = make(rngs)
+        self.layers = make_layers(make_block, n, rngs)
+        for path, node in nnx.iter_graph(self.layers):
+            if isinstance(node, nnx.Variable):
+                node.set_metadata(DEPTH, len(path))
         self.remat = remat
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -54,6 +62,74 @@ class Stack(nnx.Module):
         apply = block_apply(graphdef, self.remat)
         run = _RUNNER.get() or scan_layers
         return run(apply, stacked, x)
+
+
+def make_layers(make_block: Callable, n: int, rngs: nnx.Rngs) -> nnx.Module:
+    """One block holding ``n`` blocks' arrays stacked on a leading axis (logical name
+    ``"layers"``): layer i exactly what block i of ``[make_block(rngs) for _ in range(n)]``
+    holds, with ``rngs`` left where that list leaves it. So the layout never changes the model.
+
+    Built in sequence, block i draws keys ``fold_in(key, c + i*k + j)``, j < k, from each
+    stream (count c, k draws per block). One ``vmap`` over the counts ``c + i*k`` draws the
+    same keys at once, and under a stage axis each device makes only its own layers."""
+    streams = dict(rngs.items())
+    draws = _draws_per_block(make_block, list(streams))
+    if draws is None or any(s.key.get_value().shape for s in streams.values()):
+        return stacked([make_block(rngs) for _ in range(n)])  # the same values, made in turn
+    first = jnp.arange(n, dtype=jnp.uint32)  # times k: each layer's first draw
+    batched = nnx.Rngs(**{k: jnp.broadcast_to(s.key.get_value(), (n,)) for k, s in streams.items()})
+    for name, stream in streams.items():
+        batched[name].count.set_value(stream.count.get_value() + first * draws[name])
+
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+        return make_block(rngs)
+
+    layers = make(batched)
+    for name, stream in streams.items():
+        stream.count.set_value(stream.count.get_value() + n * draws[name])
+    return layers
+
+
+def _draws_per_block(make_block: Callable, names: list[str]) -> dict[str, int] | None:
+    """Keys one block draws from each stream, counted while building one abstractly
+    (``jax.eval_shape``: no arrays are made); None where the count cannot be read."""
+    draws: dict[str, int] = {}
+
+    def probe(key):
+        rngs = nnx.Rngs(**dict.fromkeys(names, key))
+        for name in names:  # a numpy count stays concrete under the trace: it counts draws
+            rngs[name].count.set_value(np.zeros((), np.uint32))
+        make_block(rngs)
+        for name in names:
+            count = rngs[name].count.get_value()
+            if isinstance(count, np.ndarray):
+                draws[name] = int(count)
+
+    try:
+        jax.eval_shape(probe, jax.random.key(0))
+    except Exception:  # noqa: BLE001 - building in turn then says what is wrong
+        return None
+    return draws if len(draws) == len(names) else None
+
+
+def stacked(blocks: list[nnx.Module]) -> nnx.Module:
+    """One block of ``blocks``' structure holding all their arrays stacked on a leading
+    axis, its logical name ``"layers"`` (in each Variable's ``out_sharding``)."""
+    graphdef, *_ = nnx.split(blocks[0])
+    states = []
+    for i, block in enumerate(blocks):
+        block_graphdef, state = nnx.split(block)
+        if block_graphdef != graphdef:
+            raise ValueError(f"Stack: block {i} is not built like block 0")
+        states.append(state)
+
+    def stack(*variables):
+        return variables[0].replace(jnp.stack([v.get_value() for v in variables]))
+
+    state = jax.tree.map(stack, *states, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    state = nnx.spmd.add_axis(state, 0, {nnx.PARTITION_NAME: "layers"})
+    return nnx.merge(graphdef, state)
 
 
 def scan_layers(apply: Callable, stacked, x):

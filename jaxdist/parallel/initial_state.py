@@ -4,7 +4,9 @@ A model arrives built (an ``nnx.Module``: its arrays are the program's inputs, n
 donated or changed), as a Linen description, or as a function that builds one (run inside
 the program). Either way one compiled program makes the ``TrainState`` directly in the
 strategy's layout: no device holds more than its share, nothing is all-gathered, and
-pmap's N copies are made on their own devices, not first on device 0.
+pmap's N copies are made on their own devices, not first on device 0. The values are
+the model's and the seed's alone, bit for bit the same under every mesh, strategy and
+form (a ``Stack``'s layer i is made from the keys block i of the unstacked model draws).
 """
 
 from __future__ import annotations
