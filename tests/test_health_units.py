@@ -5,6 +5,7 @@ record holds and where it goes, what a failing rank tells the launcher, and faul
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -133,3 +134,15 @@ def test_fault_specs(monkeypatch):
     mine = Faults(parse("stall-data@1:3,flip@1:4,kill@0:2"), process_index=1)
     assert mine.stall_steps == {3} and set(mine.at_step) == {4} and not mine.program
     assert Faults([], 0).wrap_loss(len) is len  # nothing injected: the same function
+
+
+def test_user_code_is_code_outside_python_its_packages_and_all_of_jaxdist():
+    """A hang's culprit is the process with a thread in user code: frames in any jaxdist
+    folder (the loop in train/, the step in parallel/) are not user code."""
+    import jaxdist.parallel.step
+    import jaxdist.train.loop
+    from jaxdist.health import hang_report
+
+    for module in (jaxdist.train.loop, jaxdist.parallel.step, hang_report, threading):
+        assert not hang_report._is_user_file(module.__file__), module.__file__
+    assert hang_report._is_user_file(__file__)  # the tests are the user's code here

@@ -201,7 +201,7 @@ _LIBRARY_DIRS = tuple(
     str(Path(p).resolve())
     for key in ("stdlib", "platstdlib", "purelib", "platlib")
     if (p := sysconfig.get_paths().get(key))
-) + (str(Path(__file__).resolve().parent),)
+) + (str(Path(__file__).resolve().parents[1]),)  # the jaxdist package, every folder
 
 
 def _is_user_file(filename: str) -> bool:
