@@ -30,6 +30,16 @@ TRAIN = [
     "32",
     "--seed",
     "2",
+    # SGD without clipping: a gradient N times too large (or too small) moves the params N
+    # times as far; AdamW normalises the scale away and clipping cuts it off
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.3",
+    "--warmup-steps",
+    "0",
+    "--clip-norm",
+    "0",
 ]
 
 

@@ -78,9 +78,10 @@ def test_remat_inside_the_stack_equals_the_plain_loop():
 
 
 def unscanned_copy(remat="none"):
-    """The unscanned GPT (a list of blocks) holding the stacked GPT's initial values:
-    the two draw them differently, so the values are copied, layer i of each stacked
-    array to block i."""
+    """The unscanned GPT (a list of blocks) holding the stacked GPT's initial values,
+    copied layer i of each stacked array to block i: the two draw the same values
+    (tests/test_initial_state_layouts.py checks that), and the copy keeps this reference
+    independent of that."""
     source = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(stacked()))}
     model = GPT(VOCAB, SEQ, 64, LAYERS, 8, attention="xla", remat=remat, rngs=nnx.Rngs(1))
     target = nnx.state(model, nnx.Param)
