@@ -37,7 +37,6 @@ REPRODUCER = (
 # (global batch, vocabulary, microbatches, mesh): the shape, and shapes around it
 SHAPES = [
     (16, 264, 4, "stage=2,data=4"),
-    (32, 264, 4, "stage=2,data=4"),
     (16, 512, 2, "stage=2,data=4"),
     (16, 264, 4, "stage=2,fsdp=2,model=2"),
 ]
