@@ -22,13 +22,12 @@ import optax
 import pytest
 import test_layouts_linen as linen_test
 from flax import linen as nn
-from flax import nnx, traverse_util
+from flax import nnx
 from test_layouts_linen import (
     LR,
     VOCAB,
     assert_same_training,
     batches,
-    cross_entropy,
     flat_state,
     linen_names,
     loss_fn,
@@ -169,24 +168,7 @@ def docs_train_on(sizes):
 def docs_plain_loop(initial):
     """One device, Linen's apply, jax.grad and optax.sgd only, from jaxdist's initial
     values (as test_layouts_linen.plain_loop: the bridge draws its init key its own way)."""
-    module, device, tx = DocsLM(), jax.devices()[0], optax.sgd(LR)
-    params = jax.device_put(traverse_util.unflatten_dict(initial, sep="/"), device)
-
-    @jax.jit
-    def step(params, opt_state, ids):
-        def loss(p):
-            return cross_entropy(module.apply({"params": p}, ids[:, :-1]), ids)
-
-        value, grads = jax.value_and_grad(loss)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    opt_state, losses = tx.init(params), []
-    for batch in batches():
-        params, opt_state, value = step(params, opt_state, jax.device_put(batch["ids"], device))
-        losses.append(float(value))
-    final = traverse_util.flatten_dict(jax.device_get(params), sep="/")
-    return losses, {name: np.asarray(value) for name, value in final.items()}
+    return linen_test.sgd_loop(DocsLM(), initial)
 
 
 ATTENTION = linen_test.PREFIX + "MultiHeadDotProductAttention_0/"

@@ -97,10 +97,14 @@ def plain_loop(initial, scan_layers=False):
     assert flat.keys() == initial.keys(), (sorted(flat), sorted(initial))
     for name, leaf in flat.items():
         assert leaf.shape == initial[name].shape, name
+    return sgd_loop(module, {k: initial[k] for k in flat})
+
+
+def sgd_loop(module, initial: dict):
+    """Five optax SGD steps of a Linen ``module`` on one device from ``initial`` (flat
+    names -> arrays): (losses, final params by flat name). Flax, JAX and optax only."""
     device = jax.devices()[0]
-    params = jax.device_put(
-        traverse_util.unflatten_dict({k: initial[k] for k in flat}, sep="/"), device
-    )
+    params = jax.device_put(traverse_util.unflatten_dict(initial, sep="/"), device)
     tx = optax.sgd(LR)
 
     @jax.jit
