@@ -71,12 +71,17 @@ def test_survivors_name_the_dead_process(tmp_path, group, victim):
     args += ["--global-batch-size", "16", "--compile-cache", "off"]
     fault = {"JAXDIST_FAULT": f"kill@{victim}:8"}
     group += [start(tmp_path, rank, port, args, fault) for rank in (0, 1)]
+    # Looked at while process 0 still lives (it starts the service and compiles for
+    # seconds before step 1; the kill is at step 8): given by hand (MASTER_ADDR=127.0.0.1),
+    # the service listens there only, not on [::]
     deadline = time.monotonic() + 120
+    while not (addresses := listening(port)):
+        assert time.monotonic() < deadline and group[0].poll() is None, log(tmp_path, 0)
+        time.sleep(0.05)
+    assert set(addresses) <= LOOPBACK, addresses
     while not (run_dir / "metrics.jsonl").exists():
         assert time.monotonic() < deadline, log(tmp_path, 0)
         time.sleep(0.1)
-    # Given by hand (MASTER_ADDR=127.0.0.1), the service listens there only, not on [::]
-    assert listening(port) and set(listening(port)) <= LOOPBACK, listening(port)
     dead, survivor = group[victim], group[1 - victim]
     assert dead.wait(timeout=60) == -9
     killed_at = time.monotonic()
