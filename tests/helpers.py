@@ -71,6 +71,7 @@ def load_experiment(name: str):
     path = Path(__file__).resolve().parents[1] / "experiments" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it runs
     spec.loader.exec_module(module)
     return module
 

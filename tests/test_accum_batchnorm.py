@@ -152,9 +152,30 @@ def test_grad_accum_with_batchnorm_equals_the_plain_loop(kind, strategy):
     dp = jaxdist.DataParallel(
         cnn(kind), optax.sgd(SGD_LR), loss_fn, mesh=mesh, strategy=strategy, grad_accum=ACCUM
     )
+    assert_trains_as_the_plain_loop(dp, kind, strategy)
+
+
+def test_a_linen_module_given_as_it_is_equals_the_plain_loop():
+    """The Linen module itself (jaxdist bridges it, with eager sharding off): the batch
+    statistics the bridge writes back once carried other pytree metadata than those it
+    was built with, and grad-accum's scan over microbatches raised TypeError."""
+    mesh = jaxdist.make_mesh(data=DEVICES)
+    dp = jaxdist.DataParallel(
+        LinenBatchNormCNN(),
+        optax.sgd(SGD_LR),
+        lambda model, batch: cross_entropy(model(batch["x"]), batch["y"]),
+        mesh=mesh,
+        grad_accum=ACCUM,
+        seed=SEED,  # the initial values of cnn("linen"), which the plain loop starts from
+        example_input=images(0)["x"][:1],
+    )
+    assert_trains_as_the_plain_loop(dp, "linen", "gspmd")
+
+
+def assert_trains_as_the_plain_loop(dp, kind: str, strategy: str):
     state = dp.init_state()
     for step in range(STEPS):
-        state, _ = dp.step(state, jaxdist.shard_batch(images(step), mesh))
+        state, _ = dp.step(state, jaxdist.shard_batch(images(step), dp.mesh))
     one = dp.unreplicate(state)
 
     want_params, want_stats = plain_accumulation(kind, strategy)

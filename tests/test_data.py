@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jaxdist
-from jaxdist.data import Prefetcher, eval_batches, host_batches
+from jaxdist.data import Prefetcher, eval_batches, host_batches, loader
 from jaxdist.losses import classification_eval, classification_loss
 from jaxdist.models.mlp import MLP
 
@@ -133,6 +133,30 @@ def test_eval_counts_1001_examples_once_and_matches_the_plain_mean(strategy, num
     assert totals["accuracy"] == reference_correct.sum()
 
 
+def blocked_in(thread_id: int, file: str, function: str) -> bool:
+    """Whether thread ``thread_id`` is waiting on a lock or condition (its innermost frame
+    in threading.py or queue.py) inside ``function`` of ``file``."""
+    frame = sys._current_frames().get(thread_id)
+    innermost, frames = frame, []
+    while frame is not None:
+        frames.append((frame.f_code.co_filename, frame.f_code.co_name))
+        frame = frame.f_back
+    waiting = innermost is not None and innermost.f_code.co_filename in BLOCKING
+    return waiting and (file, function) in frames
+
+
+BLOCKING = (threading.__file__, queue.__file__)
+
+
+def wait_until(condition, timeout_s: float, what: str) -> None:
+    """Polls ``condition`` until it holds; an AssertionError naming ``what`` after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.005)
+
+
 def test_prefetcher_keeps_two_batches_ready_and_reports_waits():
     """Counts and order, no latency bound: the producer runs ahead by exactly depth ready
     batches plus one in the making, never further; batches come out in order, as put made
@@ -147,9 +171,10 @@ def test_prefetcher_keeps_two_batches_ready_and_reports_waits():
         return {"device": batch}
 
     fetch = Prefetcher(iter(range(50)), put, depth=depth)
-    with progress:  # before the consumer asks: depth ready + one in the making
-        assert progress.wait_for(lambda: len(made) >= depth + 1, timeout=10)
-    time.sleep(0.2)  # room to overrun; a bounded producer stays where it is
+    # Before the consumer asks, the producer stops at the full queue, its third batch made
+    # (depth ready + one in the making): blocked putting it, it can make no more.
+    producer = fetch._thread.ident
+    wait_until(lambda: blocked_in(producer, queue.__file__, "put"), 10, "producer at the queue")
     assert [b for b, _ in made] == [0, 1, 2]
     got = []
     for _ in range(50):
@@ -168,37 +193,30 @@ def test_prefetcher_keeps_two_batches_ready_and_reports_waits():
     fetch.close()
 
     # A producer held up: the consumer waits, and wait_s covers at least the hold-up.
-    hold_s, release, consumer = 0.3, threading.Event(), threading.get_ident()
+    hold_s, release, consumer, failed = 0.3, threading.Event(), threading.get_ident(), []
 
     def held():
         release.wait()
         yield from range(3)
 
-    def consumer_is_blocked_in_next() -> bool:
-        frame = sys._current_frames().get(consumer)
-        innermost, names = frame, []
-        while frame is not None:
-            names.append(frame.f_code.co_name)
-            frame = frame.f_back
-        blocking = (threading.__file__, queue.__file__)
-        return "__next__" in names and innermost.f_code.co_filename in blocking
-
     def release_once_the_consumer_blocks():
         # The consumer's clock starts in Prefetcher.__next__ before it blocks on the queue;
-        # the hold-up starts only once it is blocked there (10 s: give up, release anyway).
-        deadline = time.monotonic() + 10
-        while not consumer_is_blocked_in_next() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        time.sleep(hold_s)
+        # the hold-up starts only once it is blocked there.
+        try:
+            wait_until(lambda: blocked_in(consumer, loader.__file__, "__next__"), 10, "wait")
+            time.sleep(hold_s)  # the hold-up itself, which wait_s must cover
+        except AssertionError as error:
+            failed.append(error)
         release.set()
 
     slow = Prefetcher(held(), lambda b: b, depth=depth)
     releaser = threading.Thread(target=release_once_the_consumer_blocks, daemon=True)
     releaser.start()
     first, wait_s = next(slow)
+    releaser.join(timeout=5)
+    assert not failed, f"the consumer never blocked in next(): {failed}"
     assert first == 0 and wait_s >= hold_s
     assert [b for b, _ in slow] == [1, 2]
-    releaser.join(timeout=5)
     slow.close()
 
 

@@ -3,7 +3,9 @@ or hung up, a rank killed mid-training, several failures in a row, a preemption,
 SIGTERM reaching a rank after jax.distributed.initialize.
 
 Every test bounds its own time and, in the fixture's teardown, SIGKILLs every process it
-ever saw below its launcher."""
+ever saw below its launcher. Waits are on the condition itself (a file, a line, a reaped
+rank, a main thread asleep in a barrier), never on a sleep, with a deadline that names
+what did not come."""
 
 from __future__ import annotations
 
@@ -66,11 +68,18 @@ def test_the_group_dies_with_the_launcher(tmp_path, launcher, sig, code):
 BLOCKED_IN_A_COLLECTIVE = """import os, pathlib, sys, time
 import jaxdist
 info = jaxdist.initialize()
+jaxdist.barrier("both come")  # compiles the barrier's program, on both ranks
 if info.process_index == 0:
     pathlib.Path(sys.argv[1], "pid").write_text(str(os.getpid()))
-    jaxdist.barrier("rank 1 never comes")  # waits in XLA, not in Python
+    jaxdist.barrier("rank 1 never comes")  # compiled already: waits in XLA, not in Python
 time.sleep(600)
 """
+
+
+def main_thread_sleeps(pid: int) -> bool:
+    """The process's main thread is asleep in the kernel (state S of /proc/PID/task/PID)."""
+    stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+    return stat.rsplit(") ", 1)[1].startswith("S")
 
 
 def test_sigterm_ends_a_rank_blocked_in_a_collective(tmp_path, launcher):
@@ -79,8 +88,17 @@ def test_sigterm_ends_a_rank_blocked_in_a_collective(tmp_path, launcher):
         "--nproc", "2", "--cpu-devices-per-proc", "1", "--grace", "60", "--",
         sys.executable, job, str(tmp_path),
     )  # fmt: skip
-    run.wait_for((tmp_path / "pid").exists, 60, "rank 0 at its barrier")
-    time.sleep(3)  # into the barrier's wait
+    run.wait_for((tmp_path / "pid").exists, 60, "rank 0 at its second barrier")
+    rank0 = int((tmp_path / "pid").read_text())
+    # Into the barrier's wait: the main thread asleep at 5 polls in a row, 0.1 s apart (the
+    # program is compiled, so between the pid file and the wait there is no work to do).
+    states = []
+
+    def waiting() -> bool:
+        states.append(main_thread_sleeps(rank0))
+        return len(states) >= 5 and all(states[-5:])
+
+    run.wait_for(waiting, 30, "rank 0's main thread asleep in the barrier")
     pids = run.below()
     os.kill(int((tmp_path / "pid").read_text()), signal.SIGTERM)
     assert run.proc.wait(timeout=10) == 143, run.text()[-3000:]
@@ -121,9 +139,11 @@ with open(f"{here}/rank{rank}.pid.tmp", "w") as f:
 os.rename(f"{here}/rank{rank}.pid.tmp", f"{here}/rank{rank}.pid")
 
 
-def wait_for(condition):
+def wait_for(condition, what):
     deadline = time.monotonic() + 60
-    while not condition() and time.monotonic() < deadline:
+    while not condition():
+        if time.monotonic() > deadline:  # exit 1 saying so, never carry on as if it came
+            sys.exit(f"rank {rank}: no {what} within 60 s")
         time.sleep(0.005)
 
 
@@ -135,9 +155,9 @@ def reaped(other):  # the launcher has waited for it: os.kill(pid, 0) works on a
     return False
 
 
-wait_for(lambda: all(os.path.exists(f"{here}/rank{r}.pid") for r in range(n)))
+wait_for(lambda: all(os.path.exists(f"{here}/rank{r}.pid") for r in range(n)), "pid files")
 if after is not None:
-    wait_for(lambda: reaped(after))
+    wait_for(lambda: reaped(after), f"end of rank {after}")
 time.sleep(gap)
 print(SAY.format(rank=rank), flush=True)
 sys.exit(code)

@@ -1,11 +1,12 @@
-"""The public API with BatchNorm and dropout, against single-device loops written here.
-
-The reference loops use plain jax.grad + optax on the same model objects (NNX, or Linen
-through flax's bridge) and follow jaxdist's documented RNG contract: at step k every RNG
-stream of the model is reseeded with fold_in(key(seed), k), and under pmap/shard_map with
-fold_in of that with the device index d."""
+"""The public API with BatchNorm and dropout, against single-device loops written here:
+plain jax.grad + optax, no jaxdist; the NNX class itself, and the Linen module through
+Linen's own ``init``/``apply``. They follow jaxdist's documented RNG contract: at step k
+every RNG stream is reseeded with fold_in(key(seed), k), under pmap/shard_map folded with
+the device index d."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import numpy as np
@@ -15,7 +16,7 @@ from bn_models import NNXCNN, LinenCNN, images, loss_fn
 from flax import nnx
 
 import jaxdist
-from helpers import relative_error
+from helpers import named_leaves, relative_error
 
 SEED, STEPS, DEVICES, LR = 5, 5, 8, 0.1
 
@@ -37,51 +38,80 @@ def train_jaxdist(kind: str, strategy: str):
     return dp, state
 
 
+@functools.cache  # every reference of a kind: one compiled gradient per batch shape
+def nnx_parts():
+    """(params, stats, grad(params, stats, rows, key) -> (grads, stats)), nnx.reseed-ed."""
+    model = make_model("nnx")
+    model.train()
+    graphdef, params, stats, rngs = nnx.split(model, nnx.Param, nnx.BatchStat, nnx.RngState)
+    streams = {v.tag for _, v in nnx.iter_graph(model) if isinstance(v, nnx.RngStream)}
+
+    def grad(p, s, batch, key):
+        m = nnx.merge(graphdef, p, s, rngs, copy=True)
+        nnx.reseed(m, **dict.fromkeys(streams, key))  # outside jax.grad, as NNX requires
+        reseeded = nnx.state(m, nnx.RngState)
+
+        def loss(p):
+            m = nnx.merge(graphdef, p, s, reseeded, copy=True)
+            return loss_fn(m, batch, None), nnx.state(m, nnx.BatchStat)
+
+        return jax.grad(loss, has_aux=True)(p)
+
+    return params, stats, jax.jit(grad)
+
+
+def drawn(key):
+    """The key flax's bridge (behind ``as_nnx``) gives a Linen call from a stream keyed
+    ``key``: its stream is ``fold_in(key, 0)`` (forked, or reseeded), the call draws
+    ``fold_in(., 0)``."""
+    return jax.random.fold_in(jax.random.fold_in(key, 0), 0)
+
+
+@functools.cache
+def linen_parts():
+    """The same for the Linen module, with Linen's init and apply: initialised as
+    ``as_nnx(module, seed=SEED)`` does (``nnx.Rngs(params=SEED, dropout=SEED + 1)``)."""
+    module, first = LinenCNN(), images(0)["x"][:1]
+    rngs = {"params": drawn(jax.random.key(SEED)), "dropout": drawn(jax.random.key(SEED + 1))}
+    variables = module.init(rngs, first, train=True)
+
+    def grad(params, stats, batch, key):
+        def loss(p):
+            variables, dropout = {"params": p, "batch_stats": stats}, {"dropout": drawn(key)}
+            out = module.apply(variables, batch["x"], rngs=dropout, mutable=["batch_stats"])
+            ce = optax.softmax_cross_entropy_with_integer_labels(out[0], batch["y"])
+            return ce.mean(), out[1]["batch_stats"]
+
+        return jax.grad(loss, has_aux=True)(params)
+
+    return variables["params"], variables["batch_stats"], jax.jit(grad)
+
+
 def reference(kind: str, per_device_keys: bool | None):
     """1-device loop. per_device_keys=None: one global batch (gspmd semantics); True/False:
     simulate 8 replicas on their own rows (with distinct / identical dropout keys),
     averaging their gradients and running statistics."""
-    model = make_model(kind)
-    model.train()
-    graphdef, params, stats, rngs = nnx.split(model, nnx.Param, nnx.BatchStat, nnx.RngState)
-    tx = optax.sgd(LR)
+    params, stats, grad = nnx_parts() if kind == "nnx" else linen_parts()
+    tx, n = optax.sgd(LR), 1 if per_device_keys is None else DEVICES
     opt_state = tx.init(params)
-
-    def with_stream_keys(key):  # eagerly, outside any trace, with flax's own reseed
-        m = nnx.merge(graphdef, params, stats, rngs)
-        streams = {v.tag for _, v in nnx.iter_graph(m) if isinstance(v, nnx.RngStream)}
-        nnx.reseed(m, **dict.fromkeys(streams, key))
-        return nnx.state(m, nnx.RngState)
-
-    def loss(p, s, r, batch):
-        m = nnx.merge(graphdef, p, s, r, copy=True)
-        return loss_fn(m, batch, None), nnx.state(m, nnx.BatchStat)
-
-    grad = jax.jit(jax.grad(loss, has_aux=True))
     for step in range(STEPS):
         batch, key = images(step), jax.random.fold_in(jax.random.key(SEED), step)
-        if per_device_keys is None:
-            grads, stats = grad(params, stats, with_stream_keys(key), batch)
-        else:
-            rows = len(batch["x"]) // DEVICES
-            outs = [
-                grad(
-                    params,
-                    stats,
-                    with_stream_keys(jax.random.fold_in(key, d) if per_device_keys else key),
-                    {k: v[d * rows : (d + 1) * rows] for k, v in batch.items()},
-                )
-                for d in range(DEVICES)
-            ]
-            grads, stats = jax.tree.map(lambda *xs: np.mean(np.stack(xs), 0), *outs)
+        rows = len(batch["x"]) // n
+        parts = [{k: v[d * rows : (d + 1) * rows] for k, v in batch.items()} for d in range(n)]
+        keys = [jax.random.fold_in(key, d) if per_device_keys else key for d in range(n)]
+        outs = [grad(params, stats, part, k) for part, k in zip(parts, keys, strict=True)]
+        grads, stats = jax.tree.map(lambda *xs: np.mean(np.stack(xs), 0), *outs)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
     return params, stats
 
 
 def max_error(got, want) -> float:
-    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
-    return max(relative_error(g, w) for g, w in pairs)
+    """By name: the bridge's "linen/Conv_0/kernel" is Linen's "Conv_0/kernel"."""
+    got = {k.removeprefix("linen/"): v for k, v in named_leaves(got).items()}
+    want = named_leaves(want)
+    assert got.keys() == want.keys() and want
+    return max(relative_error(got[k], want[k]) for k in want)
 
 
 @pytest.mark.parametrize("kind", ["nnx", "linen"])
@@ -96,12 +126,11 @@ def test_gspmd_equals_one_device_with_global_batch_statistics(kind):
 
 def replica_copies(strategy: str, tree):
     """Every device's own copy of each leaf: pmap's leading axis, or shard_map's buffers."""
-    if strategy == "pmap":
-        return [jax.tree.map(lambda x, d=d: np.asarray(x[d]), tree) for d in range(DEVICES)]
-    return [
-        jax.tree.map(lambda x, d=d: np.asarray(x.addressable_shards[d].data), tree)
-        for d in range(DEVICES)
-    ]
+
+    def copy(x, d):
+        return np.asarray(x[d] if strategy == "pmap" else x.addressable_shards[d].data)
+
+    return [jax.tree.map(lambda x, d=d: copy(x, d), tree) for d in range(DEVICES)]
 
 
 @pytest.mark.parametrize("kind", ["nnx", "linen"])
@@ -175,13 +204,8 @@ def test_mean_over_replicas_in_a_hand_written_step(strategy):
         def __call__(self, x):
             return x @ self.w
 
-    dp = jaxdist.DataParallel(
-        Linear(),
-        optax.sgd(1.0),
-        lambda model, b: (model(b["x"]) ** 2).mean(),
-        mesh=mesh,
-        strategy=strategy,
-    )
+    square = lambda model, b: (model(b["x"]) ** 2).mean()  # noqa: E731
+    dp = jaxdist.DataParallel(Linear(), optax.sgd(1.0), square, mesh=mesh, strategy=strategy)
     state = dp.init_state()
     before = np.array(dp.host_params(state)["w"], np.float64)  # a copy: step donates state
     np.testing.assert_array_equal(before, w)
@@ -192,8 +216,7 @@ def test_mean_over_replicas_in_a_hand_written_step(strategy):
 
 def test_gradient_of_averaged_loss_is_wrong_as_documented():
     """The docstring's warning holds: grad(mean_over_replicas(loss)) stays local."""
-    w = np.float32(2.0)
-    xs = np.arange(1, 9, dtype=np.float32)
+    w, xs = np.float32(2.0), np.arange(1, 9, dtype=np.float32)
 
     def wrong(w, x):
         return jax.grad(lambda w: jaxdist.mean_over_replicas((w * x) ** 2))(w)
@@ -204,8 +227,7 @@ def test_gradient_of_averaged_loss_is_wrong_as_documented():
 
 
 def test_step_keys_differ_by_device_and_step():
-    mesh = jaxdist.make_mesh(data=4)
-    P = jax.sharding.PartitionSpec
+    mesh, P = jaxdist.make_mesh(data=4), jax.sharding.PartitionSpec
 
     def keys(step):
         return jax.random.key_data(jaxdist.step_key(SEED, step))[None]
@@ -228,10 +250,8 @@ def test_initialize_and_main_process_helpers(capsys):
 
 def test_sampler_shares_partition_the_global_batch():
     whole = jaxdist.DistributedSampler(100, 16, seed=1, process_index=0, process_count=1)
-    shares = [
-        jaxdist.DistributedSampler(100, 16, seed=1, process_index=p, process_count=4)
-        for p in range(4)
-    ]
+    share = functools.partial(jaxdist.DistributedSampler, 100, 16, seed=1, process_count=4)
+    shares = [share(process_index=p) for p in range(4)]
     seen = []
     for step in range(whole.steps_per_epoch):  # 6 steps of 16: 96 of 100 examples
         parts = np.concatenate([s.indices(step) for s in shares])
@@ -241,15 +261,12 @@ def test_sampler_shares_partition_the_global_batch():
     assert not np.array_equal(whole.indices(6), whole.indices(0))  # epoch 2: new order
 
 
+NOT_A_MODEL = "expected a flax.nnx.Module, a flax.linen.Module or a function returning one"
+
+
 @pytest.mark.parametrize(
     "model, match",
-    [
-        (
-            "not a model",
-            "expected a flax.nnx.Module, a flax.linen.Module or a function returning one, got str",
-        ),
-        (LinenCNN(), "needs an example_input"),
-    ],
+    [("not a model", NOT_A_MODEL + ", got str"), (LinenCNN(), "needs an example_input")],
 )
 def test_bad_models_are_clear_errors(model, match):
     with pytest.raises(jaxdist.ModelError, match=match):

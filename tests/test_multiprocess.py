@@ -1,4 +1,8 @@
-"""Real processes joined by jax.distributed (gloo), started by ``jaxdist.launch``."""
+"""Real processes joined by jax.distributed (gloo), started by ``jaxdist.launch``: they
+match one process, and the launcher ends, restarts and reports the group as it says.
+
+Nothing waits on a sleep: the tests and their jobs poll the condition itself (a file, a
+logged step) with a deadline whose failure names what did not come."""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 
@@ -98,11 +101,22 @@ RECORD_PID = (
 )
 
 
+WAIT_FOR = """import time
+def wait_for(condition, what, timeout=60):  # in a job: exit 1 saying so, never carry on
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            sys.exit(f"no {what} within {timeout} s")
+        time.sleep(0.01)
+"""
+
+
 def test_launcher_fails_fast_with_the_failed_code(tmp_path):
-    script = tmp_path / "job.py"  # rank 1 fails after a second; rank 0 would run for ever
+    script = tmp_path / "job.py"  # rank 1 fails once rank 0 has started; 0 would run for ever
     script.write_text(
-        RECORD_PID + "import time\nrank = int(os.environ['JAXDIST_PROCESS_ID'])\n"
-        "time.sleep(1 if rank else 600)\nsys.exit(3)\n"
+        RECORD_PID + WAIT_FOR + "if os.environ['JAXDIST_PROCESS_ID'] == '1':\n"
+        "    wait_for(pathlib.Path(sys.argv[1], '0').exists, \"rank 0's pid\")\n"
+        "    sys.exit(3)\ntime.sleep(600)\n"
     )
     proc, seconds = launch("--nproc", "2", "--", sys.executable, str(script), str(tmp_path))
     assert proc.returncode == 3, proc.stdout[-2000:]
@@ -122,53 +136,45 @@ exit_now(main(sys.argv[2:]))
 )
 
 
-def start_long_training(tmp_path):
-    """2 processes x 2 devices training for ever; returns (launcher, pids, run_dir) once
-    3 steps are logged."""
+def start_long_training(tmp_path, launcher):
+    """2 processes x 2 devices training for ever, under the ``launcher`` fixture (output to
+    a file, every process killed at teardown); returns (run, pids, run_dir) once 3 steps
+    are logged."""
     script = tmp_path / "job.py"
     script.write_text(TRAIN_AND_RECORD_PID)
     run_dir = tmp_path / "run"
     long_run = ["--steps", "100000", "--log-every", "1", "--run-dir", str(run_dir)]
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "jaxdist.launch", "--nproc", "2", "--cpu-devices-per-proc", "2"]
-        + ["--", sys.executable, str(script), str(tmp_path), *long_run]
-        + ["--heartbeat-timeout", "10"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    run = launcher(
+        "--nproc", "2", "--cpu-devices-per-proc", "2", "--",
+        sys.executable, str(script), str(tmp_path), *long_run, "--heartbeat-timeout", "10",
+    )  # fmt: skip
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 120
 
     def trained() -> bool:
         return metrics.exists() and len(metrics.read_text().splitlines()) >= 3
 
-    while time.monotonic() < deadline and not trained() and launcher.poll() is None:
-        time.sleep(0.2)
-    if not trained():  # say why rather than go on to kill processes that never trained
-        launcher.kill()
-        raise AssertionError(f"no 3 steps logged: {launcher.communicate()[0][-3000:]}")
+    run.wait_for(trained, 120, "3 logged steps")  # fails at once if the launcher ends
     pids = [int((tmp_path / str(rank)).read_text()) for rank in (0, 1)]
-    return launcher, pids, run_dir
+    return run, pids, run_dir
 
 
-def test_a_rank_killed_mid_training_ends_the_group(tmp_path):
-    launcher, pids, _ = start_long_training(tmp_path)
+def test_a_rank_killed_mid_training_ends_the_group(tmp_path, launcher):
+    run, pids, _ = start_long_training(tmp_path, launcher)
     killed_at = time.monotonic()
-    subprocess.run(["kill", "-9", str(pids[1])], check=True)
-    code = launcher.wait(timeout=60)
-    out = launcher.stdout.read()
+    os.kill(pids[1], signal.SIGKILL)
+    code = run.proc.wait(timeout=60)
+    out = run.text()
     assert code == 128 + 9, out[-2000:]
     assert time.monotonic() - killed_at < 30
     assert "rank 1 failed with exit code 137" in out
     assert not any(alive(pid) for pid in pids)
 
 
-def test_sigusr1_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
-    launcher, pids, run_dir = start_long_training(tmp_path)
+def test_sigusr1_to_one_rank_stops_every_rank_after_the_same_step(tmp_path, launcher):
+    run, pids, run_dir = start_long_training(tmp_path, launcher)
     os.kill(pids[1], signal.SIGUSR1)  # SLURM's --signal=USR1@120 warning, to one task only
-    code = launcher.wait(timeout=60)
-    out = launcher.stdout.read()
+    code = run.proc.wait(timeout=60)
+    out = run.text()
     assert code == 75, out[-2000:]
     stops = re.findall(
         r"\[rank (\d)\] jaxdist: stopped after step (\d+) on SIGUSR1 to process 1; "
@@ -183,30 +189,13 @@ def test_sigusr1_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert not any(alive(pid) for pid in pids)
 
 
-def test_launcher_ctrl_c_ends_every_process(tmp_path):
+def test_launcher_ctrl_c_ends_every_process(tmp_path, launcher):
     script = tmp_path / "job.py"
     script.write_text(RECORD_PID + "import time\ntime.sleep(600)\n")
-    launcher = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jaxdist.launch",
-            "--nproc",
-            "3",
-            "--",
-            sys.executable,
-            str(script),
-            str(tmp_path),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    deadline = time.monotonic() + 30
-    while len(list(tmp_path.glob("[0-9]"))) < 3 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    launcher.send_signal(signal.SIGINT)
-    assert launcher.wait(timeout=20) == 130
+    run = launcher("--nproc", "3", "--", sys.executable, str(script), str(tmp_path))
+    run.wait_for(lambda: len(list(tmp_path.glob("[0-9]"))) == 3, 30, "3 pid files")
+    run.proc.send_signal(signal.SIGINT)
+    assert run.proc.wait(timeout=20) == 130, run.text()[-2000:]
     pids = [int(p.read_text()) for p in tmp_path.glob("[0-9]")]
     assert len(pids) == 3 and not any(alive(pid) for pid in pids)
 
@@ -214,11 +203,12 @@ def test_launcher_ctrl_c_ends_every_process(tmp_path):
 def test_launcher_restarts_the_group(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
-        "import os, pathlib, sys, time\n"
-        "marker = pathlib.Path(sys.argv[1], 'tried' + os.environ['JAXDIST_PROCESS_ID'])\n"
+        "import os, pathlib, sys\n"
+        + WAIT_FOR
+        + "marker = pathlib.Path(sys.argv[1], 'tried' + os.environ['JAXDIST_PROCESS_ID'])\n"
         "if not marker.exists():\n    marker.write_text('1')\n"
         # Both ranks fail on the first try: the launcher ends the group at the first exit.
-        "    while len(list(marker.parent.glob('tried*'))) < 2:\n        time.sleep(0.01)\n"
+        "    wait_for(lambda: len(list(marker.parent.glob('tried*'))) == 2, 'both tries')\n"
         "    sys.exit(4)\n"
     )
     proc, _ = launch(

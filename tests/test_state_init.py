@@ -1,5 +1,5 @@
 """The initial state: made by one compiled program in the strategy's layout, from the
-user's model without consuming it."""
+user's model without consuming it, and equal to the params flax alone builds."""
 
 from __future__ import annotations
 
@@ -81,15 +81,26 @@ def test_init_never_holds_more_than_one_copy_per_device(strategy):
     assert set(on_device.values()) == {one_copy}
 
 
+def flax_alone(seed: int) -> dict[str, np.ndarray]:
+    """The params flax alone makes: ``Wide(nnx.Rngs(seed))`` built in one jitted program,
+    as tests/test_initial_state_layouts.py builds the GPT (no jaxdist code)."""
+    params = jax.jit(lambda: nnx.state(Wide(nnx.Rngs(seed)), nnx.Param))()
+    return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(params)}
+
+
 def test_a_model_function_is_built_inside_the_program():
-    """DataParallel(fn): the state is created on the devices; equal to building eagerly."""
+    """DataParallel(fn): the state is created on the devices; it holds what flax alone
+    builds, as does the state of a model built eagerly and handed over."""
     mesh = jaxdist.make_mesh(data=8)
     tx = optax.adam(1e-2)
     eager = jaxdist.DataParallel(Wide(nnx.Rngs(3)), tx, loss_fn, mesh=mesh)
     lazy = jaxdist.DataParallel(lambda: Wide(nnx.Rngs(3)), tx, loss_fn, mesh=mesh)
     memory = lazy.lower_init().compile().memory_analysis()
     assert memory.argument_size_in_bytes == 0  # nothing comes from the host
-    a, b = eager.host_params(eager.init_state()), lazy.host_params(lazy.init_state())
-    assert a.keys() == b.keys()
-    for name in a:
-        np.testing.assert_array_equal(a[name], b[name])
+    want = flax_alone(3)
+    assert max(abs(v).max() for v in want.values()) > 0.1  # drawn, not zeros
+    for dp in (lazy, eager):
+        got = dp.host_params(dp.init_state())
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            np.testing.assert_array_equal(got[name], value, err_msg=name)

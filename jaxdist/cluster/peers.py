@@ -128,7 +128,8 @@ def _native_abort() -> None:
     doing = f" in the {phase} phase of step {step}" if watchdog else ""
     message = (
         f"native code (XLA) aborted this process{doing}; its message, if any, is above (XLA "
-        "aborts when a collective's participants never all arrive)"
+        "aborts when a collective's participants never all arrive, or when one of its "
+        "compiler's checks fails: an XLA bug worth reporting with that message)"
     )
     _say(message)
     failure = failures.Failure(

@@ -11,6 +11,9 @@ deadlock    the loop's thread waits for a lock it holds (a deadlocked callback)
 program     its training step differs: the loss is scaled by 1 + 2^-20 (STEP is ignored)
 flip        one bit of a parameter flips on its first device before the step
 abort       a native thread calls abort() as the step starts (XLA giving up on a collective)
+nan         the step's loss is NaN on every process (``--nan-policy`` decides what follows;
+            PROCESS is ignored). Every batch then carries a per-row field, 0 or NaN, that
+            the loss adds: one program for all steps.
 ==========  ==============================================================================
 
 Unset (the normal case) it costs one dictionary lookup per step.
@@ -19,6 +22,7 @@ Unset (the normal case) it costs one dictionary lookup per step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import sys
@@ -32,7 +36,8 @@ import numpy as np
 from jaxdist.errors import ConfigError
 
 VARIABLE = "JAXDIST_FAULT"
-KINDS = ("kill", "freeze", "stall-data", "spin", "deadlock", "program", "flip", "abort")
+KINDS = ("kill", "freeze", "stall-data", "spin", "deadlock", "program", "flip", "abort", "nan")
+NAN_FIELD = "jaxdist_fault_nan"  # the batch field of the ``nan`` fault, popped by the loss
 PROGRAM_SCALE = 1.0 + 2.0**-20
 
 
@@ -63,29 +68,44 @@ class Faults:
     def __init__(self, faults: list[Fault], process_index: int):
         mine = [f for f in faults if f.process == process_index]
         self.process_index = process_index
-        self.at_step = {f.step: f for f in mine if f.kind not in ("stall-data", "program")}
+        own = ("stall-data", "program", "nan")  # not acted on before a step
+        self.at_step = {f.step: f for f in mine if f.kind not in own}
         self.stall_steps = {f.step for f in mine if f.kind == "stall-data"}
         self.program = any(f.kind == "program" for f in mine)
+        # every process's batches carry the field: the global batch is one array
+        self.nan_steps = {f.step for f in faults if f.kind == "nan"}
 
     @classmethod
     def from_env(cls, process_index: int) -> Faults:
         return cls(parse(os.environ.get(VARIABLE, "")), process_index)
 
     def wrap_loss(self, loss_fn):
-        """The ``program`` fault: the same loss scaled, so another compiled step."""
-        if not self.program:
+        """The ``program`` fault: the same loss scaled, so another compiled step. The
+        ``nan`` fault: the loss plus the sum of the batch's NaN field (0 but at its step).
+        The wrapper keeps ``loss_fn``'s signature (``functools.wraps``): whether it takes
+        ``rngs`` is read from it."""
+        if not (self.program or self.nan_steps):
             return loss_fn
+        scale = PROGRAM_SCALE if self.program else 1.0
 
-        def scaled(*args, **kwargs):
-            out = loss_fn(*args, **kwargs)
+        @functools.wraps(loss_fn)
+        def faulty(model, batch, *args, **kwargs):
+            poison = 0.0
+            if NAN_FIELD in batch:  # not in the batch shapes agreed on before step 1
+                batch = dict(batch)
+                poison = batch.pop(NAN_FIELD).sum()
+            out = loss_fn(model, batch, *args, **kwargs)
             if isinstance(out, tuple):
-                return (out[0] * PROGRAM_SCALE, *out[1:])
-            return out * PROGRAM_SCALE
+                return (out[0] * scale + poison, *out[1:])
+            return out * scale + poison
 
-        return scaled
+        return faulty
 
     def wrap_batches(self, batches, start_step: int):
-        """Host batches of steps start_step + 1, ...; a ``stall-data`` step never comes."""
+        """Host batches of steps start_step + 1, ...; a ``stall-data`` step never comes;
+        with a ``nan`` fault each carries its NaN field."""
+        if self.nan_steps:
+            batches = _poisoning(batches, start_step, self.nan_steps)
         if not self.stall_steps:
             return batches
         return _stalling(batches, start_step, self.stall_steps, self.process_index)
@@ -130,6 +150,13 @@ def _stalling(batches, start_step: int, stall_steps: set[int], process: int):
         while step in stall_steps:
             time.sleep(3600)
         yield batch
+
+
+def _poisoning(batches, start_step: int, nan_steps: set[int]):
+    for step, batch in enumerate(batches, start_step + 1):
+        rows = len(next(iter(batch.values())))  # this process's rows of the global batch
+        value = np.nan if step in nan_steps else 0.0
+        yield {**batch, NAN_FIELD: np.full((rows,), value, np.float32)}
 
 
 def flip_a_bit(state, leaf: int = 0):

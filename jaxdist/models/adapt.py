@@ -59,7 +59,11 @@ class LinenModel(nnx.Module):
             kwargs.setdefault(name, value_in_training if training else not value_in_training)
         if training and "mutable" not in kwargs and nnx.state(self, nnx.BatchStat):
             kwargs["mutable"] = ["batch_stats"]
-        return self.linen(*args, **kwargs)
+        # The bridge writes the new batch_stats back as new Variables: made, like those of
+        # as_nnx, with eager sharding off, so they carry the same pytree metadata (else
+        # grad-accum's scan, which carries them, sees two structures).
+        with nnx.use_eager_sharding(False):
+            return self.linen(*args, **kwargs)
 
 
 def find_train_arg(module: linen.Module, name: str | None) -> tuple[str, bool] | None:
@@ -104,8 +108,9 @@ def as_nnx(
         if train_arg is None:
             _check_needs_no_mode(model, example_input)
         wrapped = LinenModel(model, nnx.Rngs(params=seed, dropout=seed + 1), train_arg)
-        try:
-            bridge.lazy_init(wrapped, example_input)
+        try:  # logical names (nn.with_logical_partitioning) are no mesh's axes: a layout
+            with nnx.use_eager_sharding(False):  # places them later, as for NNX models
+                bridge.lazy_init(wrapped, example_input)
         except Exception as err:  # the user's module: say what we tried, keep the cause
             raise ModelError(
                 f"initialising Linen {type(model).__name__} as module(x) with x of shape "

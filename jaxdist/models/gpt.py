@@ -55,10 +55,24 @@ def _embed(axes: tuple[str, str]):
     return nnx.with_partitioning(default_embed_init, axes)
 
 
+def _dropout(rate: float, rngs: nnx.Rngs) -> nnx.Dropout | None:
+    """GPT-2's dropout (on the embeddings and on each residual branch), or None at rate 0:
+    the model then has no RNG stream, so its state is what it was before dropout existed."""
+    return nnx.Dropout(rate, rngs=rngs) if rate else None
+
+
+def _drop(layer: nnx.Dropout | None, x: jax.Array) -> jax.Array:
+    return x if layer is None else layer(x)
+
+
 class Block(nnx.Module):
-    def __init__(self, d_model: int, n_heads: int, *, dtype, attention=None, rngs: nnx.Rngs):
+    def __init__(
+        self, d_model: int, n_heads: int, *, dtype, attention=None, dropout=0.0, rngs: nnx.Rngs
+    ):
         kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.n_heads = n_heads
+        # two layers of one stream: nnx.reseed gives each its own key, so their masks differ
+        self.drop_att, self.drop_mlp = _dropout(dropout, rngs), _dropout(dropout, rngs)
         self.attention = attention  # None: JAX picks (cuDNN when it can); "cudnn"; "xla"
         self.ln1 = _layer_norm(d_model, **kw)
         self.qkv = _linear(d_model, 3 * d_model, ("embed", "heads"), **kw)  # column-parallel
@@ -75,8 +89,8 @@ class Block(nnx.Module):
         q, k, v = (qkv[:, :, :, i] for i in range(3))  # 3 x (B, T, H, D/H)
         # cuDNN's fused flash attention on GPU (bf16), plain XLA on CPU.
         att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
-        x = x + self.proj(att.reshape(b, t, d))
-        return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+        x = x + _drop(self.drop_att, self.proj(att.reshape(b, t, d)))
+        return x + _drop(self.drop_mlp, self.out(jax.nn.gelu(self.fc(self.ln2(x)))))
 
 
 class GPT(nnx.Module):
@@ -93,6 +107,7 @@ class GPT(nnx.Module):
         scan_layers: bool = False,
         remat: str = "none",
         pad_vocab_to: int = 128,
+        dropout: float = 0.0,
         rngs: nnx.Rngs,
     ):
         check_remat(remat)
@@ -104,8 +119,12 @@ class GPT(nnx.Module):
             self.tok = nnx.Embed(rows, d_model, embedding_init=_embed(("vocab", "embed")), **kw)
             self.pos = nnx.Embed(seq_len, d_model, embedding_init=_embed(("length", "embed")), **kw)
 
+            self.drop = _dropout(dropout, rngs)  # on the embeddings, (B, T, D)
+
             def block(rngs):
-                return Block(d_model, n_heads, dtype=dtype, attention=attention, rngs=rngs)
+                return Block(
+                    d_model, n_heads, dtype=dtype, attention=attention, dropout=dropout, rngs=rngs
+                )
 
             # Stacked: parameters (L, ...) run by one scan, and splittable into pipeline
             # stages; a list: L separately compiled blocks (names blocks/0/..., blocks/1/...).
@@ -117,7 +136,7 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:  # (B, T) -> (B, T, vocab)
         t = tokens.shape[1]
-        x = self.tok(tokens) + self.pos(jnp.arange(t))[None]
+        x = _drop(self.drop, self.tok(tokens) + self.pos(jnp.arange(t))[None])
         if isinstance(self.blocks, Stack):
             x = self.blocks(x)
         else:

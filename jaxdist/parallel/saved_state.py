@@ -134,6 +134,16 @@ class SavedState:
             checkpointer.wait()
 
 
+def split_layers(flat, arrays: dict) -> dict:
+    """``arrays`` (host arrays named by the paths of ``flat``, ``nnx.to_flat_state`` of a
+    model's params) with each ``Stack`` array (L, ...) split into L arrays named as the
+    unstacked model names them: ``--save-params`` writes the checkpoints' form."""
+    arrays = dict(arrays)
+    for name, split in per_layer_names(nnx.from_flat_state(flat), list(arrays)).items():
+        arrays.update(zip(split, arrays.pop(name), strict=True))
+    return dict(sorted(arrays.items()))
+
+
 def per_layer_names(state, names: list[str]) -> dict[str, list[str]]:
     """Each stacked array of a ``jaxdist.models.stack.Stack`` in ``state`` -> its layers'
     names, the stack's ``layers`` replaced by 0, 1, ..., L-1. A stack's Variables say how

@@ -19,7 +19,7 @@ from jaxdist.parallel.device_mesh import batch_shards, batch_spec, make_mesh
 from jaxdist.parallel.host import host_value, scalars
 from jaxdist.parallel.initial_state import ModelSource
 from jaxdist.parallel.program import StepProgram, abstract
-from jaxdist.parallel.saved_state import SavedState
+from jaxdist.parallel.saved_state import SavedState, split_layers
 from jaxdist.parallel.step import StepOptions, TrainState, make_eval_step, make_train_step
 from jaxdist.parallel.strategies import pipeline
 from jaxdist.parallel.strategies.shard_map import PerReplica
@@ -45,8 +45,7 @@ class Parallel:
       seed: base of the per-step keys; the model's RNG streams are reseeded every step as
         ``nnx.reseed`` does (see ``jaxdist.parallel.step``): each dropout layer its own mask.
       schedule: the optimizer's LR schedule, only to report ``lr`` in the metrics.
-      eval_fn: ``eval_fn(model, batch) -> {name: (B,) per-example values}`` for
-        ``evaluate``; e.g. ``jaxdist.losses.classification_eval``.
+      eval_fn: ``(model, batch) -> {name: (B,) per-example values}`` for ``evaluate``.
       linen_train_arg: a Linen model's training flag, if not ``train``/``training``/
         ``is_training``/``deterministic``/``use_running_average`` ("!name": True in eval).
       sync_batch_stats: under pmap/shard_map, a model's axis name (``BatchNorm(
@@ -58,8 +57,7 @@ class Parallel:
         row makes ``check`` raise ``BadBatchError`` naming the step and the row.
       rules, logical_rules: the layout's path rules and logical-axis table overrides
         (``jaxdist.parallel.layout.state_shardings``).
-      microbatches: with a ``stage`` mesh axis, the GPipe schedule's microbatches (0: 4
-        per stage); the model's ``jaxdist.models.stack.Stack`` is split into stages.
+      microbatches: with a ``stage`` mesh axis, the GPipe schedule's (0: 4 per stage).
 
     Example::
 
@@ -207,10 +205,12 @@ class Parallel:
         """Device metrics -> Python floats (waits for the step to finish)."""
         return scalars({k: v for k, v in metrics.items() if not k.startswith("health/")})
 
-    def host_params(self, state: TrainState) -> dict[str, np.ndarray]:
-        """The parameters as numpy on this host, keyed by path ("layers/0/kernel")."""
+    def host_params(self, state: TrainState, per_layer: bool = False) -> dict[str, np.ndarray]:
+        """The parameters as numpy on this host, keyed by path ("layers/0/kernel");
+        ``per_layer``: a ``Stack``'s as the unstacked model names them (checkpoints')."""
         flat = nnx.to_flat_state(self.unreplicate(state).params)
-        return {"/".join(map(str, path)): host_value(var.get_value()) for path, var in flat}
+        arrays = {"/".join(map(str, path)): host_value(var.get_value()) for path, var in flat}
+        return split_layers(flat, arrays) if per_layer else arrays
 
     def merge(self, state: TrainState) -> nnx.Module:
         """The trained model as an ``nnx.Module`` in eval mode (dropout off, running

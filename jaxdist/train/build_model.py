@@ -47,6 +47,7 @@ def _gpt(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
         attention=attention_kernel(cfg),
         scan_layers=cfg.scan_layers,
         remat=cfg.remat,
+        dropout=cfg.dropout,
         rngs=rngs,
     )
 

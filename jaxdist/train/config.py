@@ -55,6 +55,9 @@ class ModelConfig:
     scan_layers: bool = False
     # activation checkpointing of each block: none | block (keep matmul outputs) | full
     remat: Literal["none", "block", "full"] = "none"
+    # GPT-2's dropout rate, on the embeddings and each residual branch; 0: none (and no
+    # RNG stream in the model). Masks follow jaxdist.parallel.step's key contract.
+    dropout: float = 0.0
 
 
 @dataclass

@@ -64,6 +64,7 @@ RANGES: dict[str, Bound] = {
     "model.d_model": at_least(1),
     "model.n_layers": at_least(1),
     "model.n_heads": at_least(1),
+    "model.dropout": SHARE,  # 1 would drop every activation
     "data.eval_fraction": SHARE,
     "data.prefetch": at_least(1),
     "data.num_examples": at_least(1),

@@ -218,7 +218,8 @@ def finish(run: Run, sinks, stopped_at: int | None) -> None:
     run.health.watch.phase("save", stopped_at or cfg.steps)  # the last step trained
     run.dp.wait_for_saves()  # the last checkpoint is on disk before we say done
     if cfg.save_params and stopped_at is None:
-        params = run.dp.host_params(run.state)  # every process: sharded arrays are gathered
+        # every process: sharded arrays are gathered; a stack saved per layer, as checkpoints
+        params = run.dp.host_params(run.state, per_layer=True)
         if jaxdist.is_main_process():
             Path(cfg.save_params).parent.mkdir(parents=True, exist_ok=True)
             np.savez(cfg.save_params, **params)

@@ -8,6 +8,9 @@ stage has every microbatch. Each stage idles S - 1 of the ticks: the bubble frac
 (S - 1) / (M + S - 1), e.g. S = 2, M = 8: 1/9 = 11%. The backward pass is what ``jax.grad``
 makes of this loop: the same schedule reversed, the sends turned around.
 
+Microbatch j runs the layers with each of their RNG keys folded with j (the RNG contract of
+``jaxdist.parallel.step``): dropout draws a mask per microbatch, not one for all of them.
+
 Only the stack is pipelined; embeddings, the head and the loss run on every stage (they
 are replicated over ``stage``), and XLA splits them over the other axes as usual.
 """
@@ -18,6 +21,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -52,6 +56,17 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 def gpipe(apply, stacked, x, *, mesh: Mesh, microbatches: int):
     """``scan_layers(apply, stacked, x)``, computed by the stages of ``mesh`` in a GPipe
     schedule. ``stacked``: (L, ...) leaves split over ``stage``; ``x``: (B, ...)."""
+    if x.dtype != jnp.float32 and mesh.devices.flat[0].platform == "cpu":
+        # XLA:CPU's compiler aborts (AllReducePromotion: "Invalid binary instruction
+        # opcode copy") on the bf16 schedule once a model axis splits it too: on CPU
+        # the activations cross stages in float32; the layers still compute in bf16.
+        dtype = x.dtype
+
+        def apply_f32(layer, h):
+            return apply(layer, h.astype(dtype)).astype(jnp.float32)
+
+        y = gpipe(apply_f32, stacked, x.astype(jnp.float32), mesh=mesh, microbatches=microbatches)
+        return y.astype(dtype)
     stages, m = mesh.shape[STAGE], microbatches
     last = stages - 1
     forward = [(s, s + 1) for s in range(last)]  # stage s sends to s + 1
@@ -65,7 +80,8 @@ def gpipe(apply, stacked, x, *, mesh: Mesh, microbatches: int):
             received, outputs = carry
             # Stage 0 starts microbatch t; the others work on what they were sent.
             first = lax.dynamic_index_in_dim(inputs, jnp.minimum(t, m - 1), keepdims=False)
-            y = scan_layers(apply, local, jnp.where(stage == 0, first, received))
+            layers = microbatch_streams(local, jnp.clip(t - stage, 0, m - 1))
+            y = scan_layers(apply, layers, jnp.where(stage == 0, first, received))
             done = t - last  # the microbatch the last stage finishes at this tick
             put = lax.dynamic_update_index_in_dim(outputs, y, jnp.maximum(done, 0), 0)
             outputs = jnp.where((stage == last) & (done >= 0), put, outputs)
@@ -87,6 +103,20 @@ def gpipe(apply, stacked, x, *, mesh: Mesh, microbatches: int):
         out_specs=P(),
         axis_names=frozenset({STAGE}),
     )(stacked, x)
+
+
+def microbatch_streams(stacked, index):
+    """The layers' RNG streams as microbatch ``index`` of the schedule uses them: every
+    key folded with ``index`` (the RNG contract of ``jaxdist.parallel.step``), so that
+    microbatches draw their own dropout masks rather than one mask each."""
+
+    def fold(variable):
+        if not isinstance(variable, nnx.RngKey):
+            return variable
+        keys = variable.get_value()  # (layers,): fold_in takes one key at a time
+        return variable.replace(jax.vmap(lambda k: jax.random.fold_in(k, index))(keys))
+
+    return jax.tree.map(fold, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _varying_over_stage(x):

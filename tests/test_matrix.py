@@ -1,0 +1,52 @@
+"""The layout x feature matrix's covering subset (experiments/matrix.py runs it whole):
+for every layout but data=8 (whose pairs other files test), 4 runs cover every feature.
+Run A (every float32 feature at once: checkpoints every 3 steps, evaluation,
+``--save-params``, the replica check, ``--grad-accum 2``, ``--remat block``, a NaN step
+skipped) equals 1 device with the same flags within 1e-4 (losses, eval losses, saved
+params, the skipped step); stopped after its step-3 checkpoint it resumes bit for bit on
+its own layout, and within 1e-4 on data=8 unscanned (elastic); run B (``--dtype bfloat16
+--dropout 0.1``) is within 3e-2 of 1 device's. The 1-device run equals a plain optax loop
+elsewhere (test_equivalence.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import load_experiment
+
+matrix = load_experiment("matrix")
+matrix.IN_PROCESS = True  # one process's layouts in this process (its 8 CPU devices)
+ALL = [f for f in matrix.FEATURES if f != "defaults"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return matrix.Matrix(tmp_path_factory.mktemp("matrix"))
+
+
+# data=8's pairs are the rest of the suite's: resume (test_checkpoint.py), eval
+# (test_cli.py), save-params, replica check (test_health_agreement.py), grad-accum
+# (test_equivalence.py), bf16 (test_precision.py), remat (test_layouts_cli.py), dropout
+# (test_dropout_contract.py), nan skip (test_cli_health.py).
+SHARDED = [layout for layout in matrix.LAYOUTS if layout != "data=8"]
+
+
+@pytest.mark.xdist_group("matrix")  # one worker: the 1-device references are run once
+@pytest.mark.parametrize("layout", SHARDED)
+def test_every_feature_runs_and_matches_its_reference(runs, layout):
+    found = matrix.covering(runs, layout)
+    assert sorted(found) == sorted(ALL)
+    failed = {f: detail for f, (status, detail) in found.items() if status != "ok"}
+    assert not failed, failed
+
+
+@pytest.mark.xdist_group("matrix")
+def test_a_gradient_twice_too_large_fails_the_comparison(runs):
+    """The comparison can fail: under SGD, twice the learning rate is what a gradient
+    twice too large (a pmean of already-summed gradients on 2 devices) would do."""
+    flags = [*matrix.SGD, "--steps", "3"]
+    want = runs.ref(tuple(flags))
+    got = matrix.run(runs.work, "doubled", "fsdp=8", [*flags, "--lr", "0.6"])
+    assert got.code == 0 and want.code == 0
+    assert matrix.close(got.losses(), want.losses(), matrix.RTOL) > matrix.RTOL
+    assert matrix.params_close(got.params, want.params) > matrix.RTOL
