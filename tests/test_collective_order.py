@@ -35,10 +35,10 @@ REPRODUCER = (
     "8",
 )  # fmt: skip  (the default --log-every: steps overlap on the devices, as in real runs)
 # (global batch, vocabulary, microbatches, mesh): the shape, and shapes around it
+# (stage=2,fsdp=2,model=2 with a checkpoint, replica check and --save-params: test_matrix.py)
 SHAPES = [
     (16, 264, 4, "stage=2,data=4"),
     (16, 512, 2, "stage=2,data=4"),
-    (16, 264, 4, "stage=2,fsdp=2,model=2"),
 ]
 
 
