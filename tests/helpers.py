@@ -128,3 +128,15 @@ def saved_params(path) -> dict[str, np.ndarray]:
     """The params ``--save-params`` wrote (an .npz), by path."""
     with np.load(path) as f:
         return {name: f[name] for name in f.files}
+
+
+def per_layer(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A stack's (L, ...) arrays "blocks/layers/fc/kernel" as the unscanned model names
+    them: "blocks/0/fc/kernel", ... (what checkpoints hold)."""
+    out = {}
+    for name, value in params.items():
+        if name.startswith("blocks/layers/"):
+            out.update({name.replace("/layers/", f"/{i}/", 1): v for i, v in enumerate(value)})
+        else:
+            out[name] = value
+    return out

@@ -20,7 +20,7 @@ from flax import nnx
 
 import jaxdist
 from finished_runs import interrupt_after
-from helpers import relative_error
+from helpers import per_layer, relative_error
 from jaxdist.checkpoint import Checkpointer
 from jaxdist.models import stack
 from jaxdist.models.gpt import GPT
@@ -45,18 +45,6 @@ def config(run_dir=None, steps=STEPS, mesh="", scan=False, remat="none", **train
     # near-zero gradient would become differences of a whole step in the parameter.
     optim = {"optimizer": "sgd", "lr": 0.5, "warmup_steps": 2}
     return from_dict({"model": model, "data": {"path": "grammar"}, "optim": optim, "train": flags})
-
-
-def per_layer(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """A stack's (L, ...) arrays "blocks/layers/fc/kernel" as the unscanned model names
-    them: "blocks/0/fc/kernel", ... (what checkpoints hold)."""
-    out = {}
-    for name, value in params.items():
-        if name.startswith("blocks/layers/"):
-            out.update({name.replace("/layers/", f"/{i}/", 1): v for i, v in enumerate(value)})
-        else:
-            out[name] = value
-    return out
 
 
 def reference_params(jitted: bool) -> dict[str, np.ndarray]:

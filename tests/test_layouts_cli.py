@@ -16,7 +16,7 @@ import optax
 import pytest
 from flax import nnx
 
-from helpers import relative_error, saved_params
+from helpers import per_layer, relative_error, saved_params
 from jaxdist.data.sampler import DistributedSampler
 from jaxdist.data.synthetic import ByteWindows, grammar_corpus
 from jaxdist.health.replica_check import ReplicaCheck
@@ -76,18 +76,6 @@ def run_gpt(*flags, write=False):
     common += ["--optimizer", "sgd", "--lr", "0.5"]
     run = train(parse_args([*common, *flags]), write=write)
     return [h["loss"] for h in run.history], run
-
-
-def per_layer(params: dict) -> dict:
-    """A stack's (L, ...) "blocks/layers/fc/kernel" as the unscanned GPT names layer i:
-    "blocks/i/fc/kernel"."""
-    out = {}
-    for name, value in params.items():
-        if name.startswith("blocks/layers/"):
-            out.update({name.replace("/layers/", f"/{i}/", 1): v for i, v in enumerate(value)})
-        else:
-            out[name] = value
-    return out
 
 
 @pytest.fixture(scope="module")
