@@ -252,37 +252,6 @@ FEATURES = {
 }
 
 
-# The suite's covering subset (tests/test_matrix.py): every pair of a layout and a feature
-# in 4 runs per layout, not 11. Run A has every float32 feature at once, then is resumed
-# on its own layout and on data=8; run B has bf16 with dropout (both loose).
-COMBINED = [*SGD, "--checkpoint-every", "3", "--eval-every", "3", "--check-replicas-every", "2",
-            "--grad-accum", "2", "--remat", "block", "--nan-policy", "skip",
-            "--eval-fraction", "0.002"]  # fmt: skip  # 1,180 held-out rows, not 11,237
-NAN_ENV = {"JAXDIST_FAULT": f"nan@0:{NAN_STEP}"}
-LOOSE_FLAGS = [*SGD, "--dtype", "bfloat16", "--dropout", "0.1"]
-
-
-def covering(m: Matrix, layout: str, elastic: bool = True) -> dict[str, tuple[str, str]]:
-    """feature -> (status, detail) for every feature but ``defaults`` (and ``elastic
-    resume`` unless ``elastic``), from 4 runs (3)."""
-    name = slug(layout, "combined")
-    full, want = run(m.work, name, layout, COMBINED, NAN_ENV), m.ref(tuple(COMBINED), NAN_ENV)
-    error = max(close(full.losses(), want.losses(), RTOL),
-                close(full.losses("eval_loss"), want.losses("eval_loss"), RTOL),
-                params_close(full.params, want.params) if full.code == 0 else 0.0)  # fmt: skip
-    together = verdict(full, error, RTOL, "losses, eval losses, skip and params")
-    found = {f: together for f in ("eval", "save-params", "replica check", "grad-accum 2")}
-    found |= {"remat block": together, "nan skip": together}
-    found["resume"] = continued(m, name, full, layout, COMBINED, NAN_ENV, exact=True)
-    if elastic:
-        same = layout == "data=8"
-        found["elastic resume"] = continued(m, name, full, "data=8", COMBINED, NAN_ENV, same)
-    loose = run(m.work, slug(layout, "loose"), layout, LOOSE_FLAGS)
-    error = close(loose.losses(), m.ref(tuple(LOOSE_FLAGS)).losses(), LOOSE)
-    found["bfloat16"] = found["dropout"] = verdict(loose, error, LOOSE, "bf16 dropout losses")
-    return found
-
-
 def table(cells: list[Cell]) -> str:
     """Markdown: a row per layout, a column per feature, each cell its status; the
     details of every cell that is not plainly ok below."""
