@@ -4,10 +4,11 @@ Command:   python experiments/bench_gpt.py                       # GPU: 124M and
            python experiments/bench_gpt.py --cpu                 # tiny sizes, for tests
            python experiments/bench_gpt.py --sizes 124M --who jaxdist --attention xla
            python experiments/bench_gpt.py --cache-study         # cold vs warm compile
-Hardware:  one H100 80GB (bf16 matmul peak measured in the run), or any CPU with --cpu.
-Expected:  on the H100, batch 16 x 1024, vocabulary 50304, bf16 compute, fp32 master
-           weights, AdamW: jaxdist >= torch.compile's tokens/s (455K at 124M, 180K at
-           355M) and within 2% of plain JAX. See experiments/PERF.md for what was measured.
+Hardware:  one H100 or H200 (bf16 matmul peak measured in the run), or any CPU with --cpu.
+Expected:  batch 16 x 1024, vocabulary 50304, bf16 compute, fp32 master weights, AdamW:
+           jaxdist >= torch.compile's tokens/s and within 2% of plain JAX. Measured on an
+           H200: 477K tokens/s at 124M (torch.compile 477K, plain JAX 460K), 190K at 355M
+           (185K, 185K); experiments/PERF.md has the tables and commands.
 
 Each (who, size) runs in its own process, so compile time is cold and peak memory is its
 own. jaxdist runs through the real trainer (``jaxdist.train.train``: token file, sampler,
@@ -45,8 +46,14 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="tiny sizes on the CPU")
     parser.add_argument("--sizes", default="", help="comma-separated; default all")
     parser.add_argument("--who", default=",".join(WHO), help="comma-separated subset")
-    parser.add_argument("--steps", type=int, default=0, help="timed steps (default 30; cpu 5)")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps (default 60; cpu 5)")
     parser.add_argument("--attention", default="auto", choices=["auto", "cudnn", "xla"])
+    parser.add_argument("--strategy", default="gspmd", choices=["gspmd", "shard_map", "pmap"])
+    parser.add_argument("--scan-layers", action="store_true", help="jaxdist: one scanned block")
+    parser.add_argument("--remat", default="none", choices=["none", "block", "full"])
+    parser.add_argument("--no-donate", action="store_true", help="plain JAX: copy, not donate")
+    parser.add_argument("--profile", default="", help="jaxdist: trace 5 steps into this dir")
+    parser.add_argument("--note", default="", help="a label kept in the records")
     parser.add_argument("--xla-flags", default="", help="added to XLA_FLAGS for every run")
     parser.add_argument(
         "--cache-study",
@@ -66,26 +73,43 @@ def settings(args) -> tuple[dict, dict]:
         if unknown:
             raise SystemExit(f"bench_gpt: unknown size(s) {sorted(unknown)}; have {list(sizes)}")
         sizes = {k: v for k, v in sizes.items() if k in args.sizes.split(",")}
-    return sizes, {**run, "steps": args.steps or (5 if args.cpu else 30)}
+    # Timed steps in windows of `window`, each ending with a wait for the device, after
+    # one window of warm-up (its first step compiles): step_ms is the median of the
+    # windows' means. The trainer logs every `window` steps: its records are the windows.
+    steps = args.steps or (5 if args.cpu else 60)
+    window = min(steps, 10)
+    return sizes, {**run, "steps": steps, "window": window, "warmup": window}
 
 
-def run_one(args, who: str, size: str, cache_dir: str = "") -> dict:
+def child_argv(args, who: str, size: str) -> list[str]:
+    """The command line of one measurement: this file with ``--one`` and the options."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--one", who, size]
+    argv += ["--attention", args.attention, "--steps", str(args.steps)]
+    argv += ["--strategy", args.strategy, "--remat", args.remat]
+    argv += ["--scan-layers"] * args.scan_layers + ["--no-donate"] * args.no_donate
+    argv += ["--profile", args.profile] if args.profile else []
+    argv += ["--note", args.note] if args.note else []
+    return argv + (["--cpu"] if args.cpu else [])
+
+
+def run_one(args, who: str, size: str, cache_dir: str = "", env_extra=None, timeout=None):
     """One measurement in a fresh process; returns its JSON record."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one", who, size]
-    cmd += ["--attention", args.attention, "--steps", str(args.steps)]
-    cmd += ["--cpu"] if args.cpu else []
-    cmd += ["--cache-dir", cache_dir] if cache_dir else []
-    env = dict(os.environ)
+    cmd = child_argv(args, who, size) + (["--cache-dir", cache_dir] if cache_dir else [])
+    env = {**os.environ, **(env_extra or {})}
     flags = f"{env.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     if flags:
         env["XLA_FLAGS"] = flags
     if args.cpu:  # one CPU device, like the one GPU
         env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        return {"who": who, "size": size, "note": args.note, "error": f"timeout {err.timeout} s"}
     lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
     if proc.returncode or not lines:
         tail = (proc.stderr or proc.stdout)[-1500:]
-        return {"who": who, "size": size, "error": f"exit {proc.returncode}: {tail}"}
+        error = f"exit {proc.returncode}: {tail}"
+        return {"who": who, "size": size, "note": args.note, "error": error}
     return json.loads(lines[-1])
 
 

@@ -1,13 +1,19 @@
 """One measurement of bench_gpt.py, in its own process: ``measure(args, who, size, ...)``.
 
-Every record has who, size, step_ms, tokens_per_s, mfu (against the bf16 matmul peak
-measured here, fp32 on CPU), compile_s (the first step, compilation included),
-peak_memory_gb (GPU) and the configuration.
+Every record has who, size, step_ms (the median of the timed windows' mean step times),
+window_ms (each window's mean), tokens_per_s, mfu (against the bf16 matmul peak measured
+here on random data, fp32 on CPU), compile_s (the first step, compilation included),
+peak_memory_gb (GPU) and the configuration; jaxdist's also data_wait_frac.
 """
 
 from __future__ import annotations
 
+import gzip
+import json
+import shutil
+import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -18,7 +24,8 @@ def matmul_peak_flops(cpu: bool) -> float:
     import jax.numpy as jnp
 
     n, dtype = (512, jnp.float32) if cpu else (8192, jnp.bfloat16)
-    a = jnp.ones((n, n), dtype)
+    # random, not ones: a GPU draws more power on random bits and clocks lower
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     mm = jax.jit(lambda x: x @ x)
     mm(a).block_until_ready()
     best = float("inf")
@@ -33,7 +40,11 @@ def matmul_peak_flops(cpu: bool) -> float:
 
 def measure(args, who: str, size: str, dims: dict, run: dict) -> dict:
     record = {"who": who, "size": size, **dims, **{k: v for k, v in run.items() if k != "steps"}}
-    record["attention"] = args.attention
+    record.update(attention=args.attention, note=getattr(args, "note", ""))
+    if who == "jaxdist":
+        record.update(strategy=args.strategy, scan_layers=args.scan_layers, remat=args.remat)
+    elif who == "plain-jax":
+        record["donate"] = not args.no_donate
     if who == "torch.compile":
         try:
             import peer_torch
@@ -66,13 +77,42 @@ def measure(args, who: str, size: str, dims: dict, run: dict) -> dict:
     }
 
 
-def _config(args, dims: dict, run: dict, data_path: str):
+def timed_windows(step, state, batches, run: dict) -> tuple[object, list[float], float]:
+    """Runs ``state = step(state, batch)``: ``warmup`` steps (the first compiles, timed
+    alone), then ``steps`` in windows of ``window``, waiting for the device at the end of
+    each; returns (state, each window's mean step time in ms, compile seconds)."""
+    import jax
+
+    start = time.perf_counter()
+    state = jax.block_until_ready(step(state, batches[0]))
+    compile_s = time.perf_counter() - start
+    for i in range(1, run["warmup"]):
+        state = step(state, batches[i % len(batches)])
+    jax.block_until_ready(state)
+    windows = []
+    for w in range(run["steps"] // run["window"]):
+        start = time.perf_counter()
+        for i in range(run["window"]):
+            state = step(state, batches[(w + i) % len(batches)])
+        jax.block_until_ready(state)
+        windows.append((time.perf_counter() - start) / run["window"] * 1e3)
+    return state, windows, compile_s
+
+
+def _config(args, dims: dict, run: dict, data_path: str, run_dir: str = ""):
     from jaxdist.train.config import from_dict
 
     model = {"name": "gpt", "attention": args.attention, "dtype": run["dtype"]}
     model.update(vocab_size=run["vocab_size"], seq_len=run["seq_len"], **dims)
-    train = {"steps": run["steps"] + 1, "global_batch_size": run["batch"]}
-    train["log_every"] = run["steps"] + 1  # one record: the mean over steps 2..N+1
+    model.update(scan_layers=args.scan_layers, remat=args.remat)
+    # the first step compiles, the warm-up's others follow, then the timed windows: one
+    # log record per window (the loop waits for the device at each)
+    steps = run["warmup"] + run["steps"]
+    train = {"steps": steps, "global_batch_size": run["batch"], "strategy": args.strategy}
+    train.update(log_every=run["window"], run_dir=run_dir, tensorboard=False)
+    if args.profile:  # the timed part's first steps, 5 at most
+        last = run["warmup"] + traced_steps(run)
+        train.update(profile=f"{run['warmup'] + 1}:{last}", checkpoint_every=0)
     return from_dict({"model": model, "data": {"path": data_path}, "train": train})
 
 
@@ -84,19 +124,45 @@ def measure_jaxdist(args, dims: dict, run: dict) -> dict:
     from jaxdist.train.trainer import train
 
     with tempfile.TemporaryDirectory() as tmp:
-        n_tokens = (run["steps"] + 4) * run["batch"] * run["seq_len"] + 1
+        steps = run["warmup"] + run["steps"]
+        n_tokens = (steps + 4) * run["batch"] * run["seq_len"] + 1
         ids = np.random.default_rng(0).integers(0, run["vocab_size"], n_tokens, dtype=np.uint32)
         path = write_token_file(
             f"{tmp}/random.bin", ids, vocab_size=run["vocab_size"], documents=1, sources="random"
         )
-        result = train(_config(args, dims, run, str(path)), write=False, quiet=True)
+        run_dir = f"{tmp}/run" if args.profile else ""
+        config = _config(args, dims, run, str(path), run_dir)
+        result = train(config, write=bool(args.profile), quiet=True)
+        if args.profile:
+            keep_trace(Path(run_dir) / "profile", Path(args.profile), traced_steps(run))
     n_params = sum(x.size for x in result.dp.host_params(result.state).values())
+    # history: the first step (compiling), the warm-up's window, then the timed windows
+    windows = [h for h in result.history if h["step"] > run["warmup"]]
     return {
-        "step_ms": result.history[-1]["step_time_s"] * 1e3,
+        "step_ms": statistics.median(h["step_time_s"] * 1e3 for h in windows),
+        "window_ms": [round(h["step_time_s"] * 1e3, 3) for h in windows],
+        "data_wait_frac": statistics.mean(h["data_wait_frac"] for h in windows),
         "compile_s": result.compile_s,
         "n_params": int(n_params),
         "loss": result.history[-1]["loss"],
     }
+
+
+def traced_steps(run: dict) -> int:
+    return min(5, run["steps"])
+
+
+def keep_trace(profile_dir: Path, dest: Path, steps: int) -> None:
+    """Writes the trace's ``.xplane.pb`` to ``dest`` (a directory), gzipped (host events
+    make it tens of MB), and its summary beside it (``profile_summary.py``)."""
+    import profile_summary
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for found in profile_dir.rglob("*.xplane.pb"):
+        with open(found, "rb") as src, gzip.open(dest / "jaxdist_step.xplane.pb.gz", "wb") as out:
+            shutil.copyfileobj(src, out)
+        summary = profile_summary.summarise(found, steps=steps)
+        (dest / "profile_summary.json").write_text(json.dumps(summary, indent=1))
 
 
 def measure_plain_jax(args, dims: dict, run: dict) -> dict:
@@ -114,23 +180,24 @@ def measure_plain_jax(args, dims: dict, run: dict) -> dict:
     tx = plain.make_optimizer(3e-4)
     dtype = getattr(jax.numpy, run["dtype"])
     step = plain.make_step(
-        tx, n_heads=dims["n_heads"], dtype=dtype, attention=attention_kernel(cfg)
+        tx,
+        donate=not args.no_donate,
+        n_heads=dims["n_heads"],
+        dtype=dtype,
+        attention=attention_kernel(cfg),
     )
-    opt_state = tx.init(params)
     keys = jax.random.split(jax.random.key(0), 4)
     shape = (run["batch"], run["seq_len"] + 1)
     batches = [jax.random.randint(k, shape, 0, run["vocab_size"]) for k in keys]  # on device
-    start = time.perf_counter()
-    params, opt_state, loss = step(params, opt_state, batches[0])
-    loss.block_until_ready()
-    compile_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for i in range(run["steps"]):
-        params, opt_state, loss = step(params, opt_state, batches[i % len(batches)])
-    loss.block_until_ready()
-    step_ms = (time.perf_counter() - start) / run["steps"] * 1e3
+
+    def train_step(state, tokens):
+        return step(*state[:2], tokens)
+
+    state = (params, tx.init(params), None)
+    (_, _, loss), windows, compile_s = timed_windows(train_step, state, batches, run)
     return {
-        "step_ms": step_ms,
+        "step_ms": statistics.median(windows),
+        "window_ms": [round(w, 3) for w in windows],
         "compile_s": compile_s,
         "n_params": int(n_params),
         "loss": float(loss),

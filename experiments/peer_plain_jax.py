@@ -59,11 +59,11 @@ def make_optimizer(lr: float, weight_decay: float = 0.01, clip_norm: float = 1.0
     )
 
 
-def make_step(tx, **model):
+def make_step(tx, donate: bool = True, **model):
     """``step(params, opt_state, tokens) -> (params, opt_state, loss)``, params and
-    optimizer state donated (updated in place)."""
+    optimizer state donated (updated in place) unless ``donate`` is False."""
 
-    @partial(jax.jit, donate_argnums=(0, 1))
+    @partial(jax.jit, donate_argnums=(0, 1) if donate else ())
     def step(params, opt_state, tokens):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens, **model)
         updates, opt_state = tx.update(grads, opt_state, params)

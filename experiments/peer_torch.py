@@ -4,6 +4,7 @@ embedding, tanh GELU, biases), bf16 autocast over fp32 weights, SDPA causal atte
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -51,7 +52,7 @@ def _sync(device) -> None:
 def matmul_peak_flops(cpu: bool) -> float:
     device = torch.device("cpu" if cpu else "cuda")
     n, dtype = (512, torch.float32) if cpu else (8192, torch.bfloat16)
-    a = torch.ones(n, n, dtype=dtype, device=device)
+    a = torch.randn(n, n, dtype=dtype, device=device)  # as the JAX side: random bits
     best = float("inf")
     for _ in range(5):
         _sync(device)
@@ -92,14 +93,20 @@ def measure(dims: dict, run: dict, cpu: bool) -> dict:
     step(batches[0])
     _sync(device)
     compile_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for i in range(run["steps"]):
-        loss = step(batches[i % 4])
-    _sync(device)
-    step_ms = (time.perf_counter() - start) / run["steps"] * 1e3
+    for i in range(1, run["warmup"]):
+        step(batches[i % 4])
+    windows = []  # as bench_gpt_one.timed_windows: each window's mean, after a wait
+    for w in range(run["steps"] // run["window"]):
+        _sync(device)
+        start = time.perf_counter()
+        for i in range(run["window"]):
+            loss = step(batches[(w + i) % 4])
+        _sync(device)
+        windows.append((time.perf_counter() - start) / run["window"] * 1e3)
     peak = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
     return {
-        "step_ms": step_ms,
+        "step_ms": statistics.median(windows),
+        "window_ms": [round(w, 3) for w in windows],
         "compile_s": compile_s,
         "n_params": int(n_params),
         "loss": float(loss),

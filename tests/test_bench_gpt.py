@@ -80,11 +80,22 @@ def check_record(r: dict) -> None:
 
 
 def test_bench_gpt_cpu_writes_a_record_per_measurement(tmp_path):
-    proc, records = run_bench(tmp_path, "--who", "jaxdist,plain-jax", "--cache-study")
+    profile = tmp_path / "profile"
+    proc, records = run_bench(
+        tmp_path, "--who", "jaxdist,plain-jax", "--cache-study", "--profile", str(profile)
+    )
     by_who = {r["who"]: r for r in records}
     assert set(by_who) == {"jaxdist", "plain-jax"}
     for who in ("jaxdist", "plain-jax"):
         check_record(by_who[who])
+        # 3 timed steps: one window; step_ms is the median of the windows' means
+        assert len(by_who[who]["window_ms"]) == 1
+        assert by_who[who]["step_ms"] == pytest.approx(by_who[who]["window_ms"][0], abs=1e-3)
+    assert 0 <= by_who["jaxdist"]["data_wait_frac"] < 1
+    # jaxdist's traced steps: the trace, gzipped, and its summary (no GPU plane on CPU)
+    assert (profile / "jaxdist_step.xplane.pb.gz").stat().st_size > 0
+    summary = json.loads((profile / "profile_summary.json").read_text())
+    assert summary["steps"] == 3 and "kinds" in summary
     cache = [r for r in records if "compilation cache" in r.get("note", "")]
     assert [r["note"] for r in cache] == ["compilation cache cold", "compilation cache warm"]
     assert "jaxdist" in proc.stdout and "tokens/s" in proc.stdout

@@ -44,7 +44,12 @@ class PerReplica:
 
     def __init__(self, mesh: Mesh, param_shardings, axis_name: str = DATA, by_layer=None):
         beyond_data = {a: n for a, n in mesh.shape.items() if a != DATA and n > 1}
-        if not beyond_data:  # data only: a 1-D mesh named as the step expects, all manual
+        if not beyond_data and axis_name != DATA:
+            # SyncBatchNorm under the model's own axis name: a 1-D mesh of that name, all
+            # manual. Only here: a program holding a primitive that needs its devices at
+            # lowering (cuDNN attention, a callback) must use one mesh throughout, and
+            # JAX refuses this one beside the run's ("mesh should be the same across the
+            # entire program"; seen on an H200 with jax 0.11.2, and on CPU with callbacks).
             self.mesh = Mesh(mesh.devices.reshape(-1), (axis_name,), axis_types=mesh.axis_types[:1])
             self.axis, self.manual = axis_name, frozenset({axis_name})
             self.axes = (axis_name,)
