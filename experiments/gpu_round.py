@@ -52,6 +52,8 @@ RUNS = [
     ("pmap", "jaxdist", "124M", ["--strategy", "pmap"], ""),
     ("profile", "jaxdist", "124M", ["--profile", "{out}/profile"], ""),
     ("cache warm", "jaxdist", "124M", [], ""),
+    ("fused loss, 8 slices", "jaxdist", "124M", ["--loss-chunks", "8"], ""),
+    ("fused loss, 8 slices", "jaxdist", "355M", ["--loss-chunks", "8"], ""),
     ("scan layers", "jaxdist", "124M", ["--scan-layers"], ""),
     ("remat block", "jaxdist", "124M", ["--remat", "block"], ""),
     ("no donation", "plain-jax", "124M", ["--no-donate"], ""),

@@ -7,8 +7,10 @@ entries named by ``make_classification_loss(inputs, labels)`` (``--npz-inputs``,
 
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -35,6 +37,66 @@ def next_token_loss(model, batch):
     logits = model(tokens[:, :-1]).astype(jnp.float32)  # (B, T, vocab)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
     return loss, {}
+
+
+def make_fused_next_token_loss(chunks: int):
+    """``next_token_loss`` of a GPT (``--loss-chunks``) without its (B, T, vocab) logits:
+    the tied head and the cross-entropy run ``chunks`` slices of the sequence at a time,
+    and each slice's gradient is formed at once (``fused_cross_entropy``). For a 124M
+    GPT at 16 x 1024 the logits are 16384 x 50304: 1.65 GB in bf16 and 3.3 GB more in
+    float32, written and read several times a step (experiments/PERF.md, lever 4)."""
+
+    def fused_next_token_loss(model, batch):
+        tokens = batch["tokens"]  # (B, T + 1)
+        h = model.features(tokens[:, :-1])  # (B, T, D), the compute dtype
+        table = model.tok.embedding[...].astype(model.tok.dtype or h.dtype)  # (rows, D)
+        loss = fused_cross_entropy(h, table, tokens[:, 1:], chunks, model.vocab_size)
+        return loss, {}
+
+    return fused_next_token_loss
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def fused_cross_entropy(h, table, labels, chunks: int, vocab: int):
+    """Mean over (B, T) of the cross-entropy of ``h @ table.T`` (its first ``vocab``
+    columns) against ``labels``; h (B, T, D), table (rows, D), labels (B, T) int."""
+    return _fused_loss_and_grads(h, table, labels, chunks, vocab)[0]
+
+
+def _fused_loss_and_grads(h, table, labels, chunks: int, vocab: int):
+    """The loss and its gradients with respect to h and table, ``chunks`` slices of T
+    at a time (the batch axis, which data parallelism splits, stays whole in each)."""
+    b, t, d = h.shape
+    rows, n = table.shape[0], b * t
+    h_chunks = h.reshape(b, chunks, t // chunks, d).swapaxes(0, 1)  # (C, B, T/C, D)
+    label_chunks = labels.reshape(b, chunks, t // chunks).swapaxes(0, 1)  # (C, B, T/C)
+
+    def chunk(d_table, xs):
+        h_c, labels_c = xs
+        logits = jnp.einsum("btd,vd->btv", h_c, table, preferred_element_type=jnp.float32)
+        logits = logits[..., :vocab]  # (B, T/C, vocab), float32
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, labels_c[..., None], axis=-1)[..., 0]
+        # d(mean loss)/d(logits) = (softmax - one_hot) / n, in the compute dtype as the
+        # unfused path's logits gradient is; padded rows of the table get none
+        grad = (jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(labels_c, vocab)) / n
+        grad = jnp.pad(grad.astype(h.dtype), ((0, 0), (0, 0), (0, rows - vocab)))
+        d_h = jnp.einsum("btv,vd->btd", grad, table)
+        d_table += jnp.einsum("btv,btd->vd", grad, h_c, preferred_element_type=jnp.float32)
+        return d_table, ((lse - picked).sum(), d_h)
+
+    d_table = jnp.zeros(table.shape, jnp.float32)
+    d_table, (nats, d_h) = jax.lax.scan(chunk, d_table, (h_chunks, label_chunks))
+    d_h = d_h.swapaxes(0, 1).reshape(b, t, d)
+    return nats.sum() / n, (d_h, d_table.astype(table.dtype))
+
+
+def _fused_backward(chunks, vocab, grads, g):
+    d_h, d_table = grads  # computed in the forward pass: scaled by the incoming gradient
+    return (d_h * g.astype(d_h.dtype), d_table * g.astype(d_table.dtype), None)
+
+
+fused_cross_entropy.defvjp(_fused_loss_and_grads, _fused_backward)
 
 
 def default_loss(task: str, inputs: str = "x", labels: str = "y"):

@@ -135,6 +135,11 @@ class GPT(nnx.Module):
             self.ln_f = _layer_norm(d_model, **kw)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:  # (B, T) -> (B, T, vocab)
+        return self.head(self.features(tokens))
+
+    def features(self, tokens: jax.Array) -> jax.Array:  # (B, T) -> (B, T, D)
+        """The final LayerNorm's output: what the head turns into logits (and what
+        ``jaxdist.losses.make_fused_next_token_loss`` takes, never forming the logits)."""
         t = tokens.shape[1]
         x = _drop(self.drop, self.tok(tokens) + self.pos(jnp.arange(t))[None])
         if isinstance(self.blocks, Stack):
@@ -142,6 +147,9 @@ class GPT(nnx.Module):
         else:
             for block in self.blocks:
                 x = call_block(block, x, self.remat)
+        return self.ln_f(x)
+
+    def head(self, h: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, vocab)
         # Output head tied to the token embedding: (B, T, D) @ (D, padded vocab), then the
         # padded columns cut off. Sliced rather than masked to a large negative value: the
         # logits keep their width (B, T, vocab_size), so next_token_loss, the eval's
@@ -151,4 +159,4 @@ class GPT(nnx.Module):
         # computed, then dropped), which is why jaxdist.flops counts them in N; their
         # gradient is zero. Where `model` splits the vocabulary, the cut makes the shards
         # uneven: XLA moves under 128 logit columns per device (a collective-permute).
-        return self.tok.attend(self.ln_f(x))[..., : self.vocab_size]
+        return self.tok.attend(h)[..., : self.vocab_size]

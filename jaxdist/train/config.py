@@ -58,6 +58,9 @@ class ModelConfig:
     # GPT-2's dropout rate, on the embeddings and each residual branch; 0: none (and no
     # RNG stream in the model). Masks follow jaxdist.parallel.step's key contract.
     dropout: float = 0.0
+    # gpt: the loss and the tied head in this many slices of the sequence, each slice's
+    # gradient formed at once, never the whole (B, T, vocab) logits; 0: the plain loss
+    loss_chunks: int = 0
 
 
 @dataclass

@@ -65,6 +65,7 @@ RANGES: dict[str, Bound] = {
     "model.n_layers": at_least(1),
     "model.n_heads": at_least(1),
     "model.dropout": SHARE,  # 1 would drop every activation
+    "model.loss_chunks": at_least(0),
     "data.eval_fraction": SHARE,
     "data.prefetch": at_least(1),
     "data.num_examples": at_least(1),
@@ -150,6 +151,21 @@ def validate(config) -> None:
         raise ConfigError(
             f"model.d_model={config.model.d_model} is not divisible by "
             f"model.n_heads={config.model.n_heads}"
+        )
+    check_loss_chunks(config.model)
+
+
+def check_loss_chunks(model) -> None:
+    """``--loss-chunks``: the built-in GPT's own loss, in slices that divide the sequence."""
+    chunks = model.loss_chunks
+    if not chunks:
+        return
+    if model.name != "gpt" or model.loss:
+        what = f"--loss {model.loss}" if model.loss else f"--model {model.name}"
+        raise ConfigError(f"--loss-chunks {chunks}: only for --model gpt's own loss, not {what}")
+    if model.seq_len % chunks:
+        raise ConfigError(
+            f"--loss-chunks {chunks} does not divide --seq-len {model.seq_len}: use a divisor"
         )
 
 

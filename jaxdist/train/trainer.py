@@ -21,7 +21,7 @@ from jaxdist.cluster.preemption import Preempted, StopFlag
 from jaxdist.cluster.shutdown import exit_now
 from jaxdist.health.agreement import MismatchError
 from jaxdist.health.replica_check import ReplicaDivergenceError
-from jaxdist.losses import default_eval, default_loss
+from jaxdist.losses import default_eval, default_loss, make_fused_next_token_loss
 from jaxdist.parallel import strategies
 from jaxdist.parallel.device_mesh import batch_shards, parse_mesh
 from jaxdist.parallel.strategies import pipeline
@@ -186,6 +186,8 @@ def make_step(
     rules, logical_rules = load_rules(cfg.rules) if cfg.rules else (None, None)
     build = model_factory(model_config, cfg.seed)  # checks the factory's arguments now
     loss_fn = import_object(config.model.loss, "--loss") if config.model.loss else None
+    if model_config.loss_chunks:  # the GPT's loss without its logits (config_checks)
+        loss_fn = make_fused_next_token_loss(model_config.loss_chunks)
     loss_fn = wrap_loss(loss_fn or default_loss(task, d.npz_inputs, d.npz_labels))
     schedule = make_schedule(config.optim, cfg.global_batch_size, cfg.steps)
     microbatches, why = cfg.microbatches, ""  # explicit: Parallel refuses one not dividing
