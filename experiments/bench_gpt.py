@@ -144,10 +144,11 @@ def main(argv=None) -> None:
         for who in args.who.split(","):
             records.append(run_one(args, who, size))
             print(table(records[-1:]).splitlines()[-1], flush=True)
-    if args.cache_study:
+    if args.cache_study:  # compile times only: untraced
+        untraced = argparse.Namespace(**{**vars(args), "profile": ""})
         with tempfile.TemporaryDirectory() as cache:
             for label in ("cold", "warm"):
-                record = run_one(args, "jaxdist", next(iter(sizes)), cache)
+                record = run_one(untraced, "jaxdist", next(iter(sizes)), cache)
                 record["note"] = f"compilation cache {label}"
                 records.append(record)
     print(table(records))
