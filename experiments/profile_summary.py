@@ -8,9 +8,11 @@ Expected:  a table of the top kernels by device time per step, and the share of 
            is chosen from data (experiments/PERF.md).
 
 The kind of a kernel is read from its name and its stats (XLA writes the HLO op and the
-JAX name stack, e.g. ``jvp(GPT)/blocks_3/attn``, beside each GPU kernel): the first
-pattern below that matches wins, so the loss's and optimizer's fusions are counted as
-such even when they hold a matrix product.
+JAX name stack beside each GPU kernel): the first pattern below that matches wins. With
+XLA's command buffers on (the default) the stats name only the buffer, and the name
+stacks of a jaxdist step carry no module or function names (``jit(train_step)/jvp()/
+dot_general``), so on such a trace "loss" and "optimizer" stay empty: PERF.md's profile
+section splits those out by hand, from a trace with command buffers off.
 """
 
 from __future__ import annotations
