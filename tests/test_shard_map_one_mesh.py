@@ -76,8 +76,8 @@ def test_a_callback_in_the_loss_compiles_on_one_mesh(strategy):
     state = dp.init_state()
     for step in range(STEPS):
         state, _ = dp.step(state, jaxdist.shard_batch(batch_at(step), mesh))
+    got = jax.tree.leaves(dp.host_params(state))  # waits for the steps, so their callbacks
     assert SEEN, "the loss's callback never ran"
-    got = jax.tree.leaves(dp.host_params(state))
     want = jax.tree.leaves(reference_params())
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
