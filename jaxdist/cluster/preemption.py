@@ -6,13 +6,16 @@ SLURM's own end, ``scancel`` and Kubernetes send SIGTERM. The handler only sets 
 (it is installed right after the process group forms, before data is prepared, so a
 signal during set-up stops too). A second SIGTERM exits at once with 143.
 
-Agreement, polled after every step through the coordination service (one ~0.1 ms round
-trip): the first process to see its flag proposes "stop after step k + 2", where k is the
-step it has just dispatched, and the first proposal stands (``set_first``). Why + 2: the
-loop dispatches step k+1 before it reads step k's results, so when one process is at k,
-another can already have dispatched k+1 (it cannot pass k+1: its check of k+1 needs this
-process's step k+1) and will poll again at k+2 at the latest. Every process thus reads
-the same stop step before reaching it. One process needs no agreement: it stops at once.
+Agreement, through the coordination service, off the loop's path: after dispatching
+step j and checking step j - 1, the loop reads the poll it started at step j - 1 (a ~0.1 ms
+round trip made by a background thread meanwhile) and starts the next. The first process
+to see its flag proposes "stop after step k + 3", k the step it has just dispatched, and
+the first proposal stands (``set_first``). Why + 3: another process B cannot have checked
+past step k - 1 (its check of step k needs this process's part of step k), so it is at most
+at step k + 1. Its poll started after checking step k + 1 (at step k + 2) runs after this
+process dispatched step k + 1, hence after the proposal: B reads it at step k + 3 at the
+latest, before going past it. Every process thus knows the stop step before reaching it.
+One process needs no agreement: it stops at once.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from jaxdist.cluster import failures, shutdown, store
 
 STOP_KEY = "jaxdist/stop_after_step"
-MARGIN_STEPS = 2
+MARGIN_STEPS = 3
 
 
 class StopFlag:
@@ -39,6 +43,8 @@ class StopFlag:
         self._last_poll: float | None = None  # when the loop last called stop_after
         self._longest_gap_s = 0.0  # the longest time between two such calls
         self._paused = 0  # inside `busy()`: evaluating or saving, not stepping
+        self._poller: ThreadPoolExecutor | None = None  # reads the store off the loop's path
+        self._poll: Future | None = None  # started at the previous step
         signal.signal(signal.SIGUSR1, self._set)
         if shutdown.sigterm_watched():  # in a group: the watcher thread calls us first
             shutdown.stop_on_sigterm(self._group_sigterm)
@@ -87,8 +93,8 @@ class StopFlag:
             self._last_poll = time.monotonic()
 
     def stop_after(self, step: int) -> int | None:
-        """Call after dispatching ``step``, on every process: the step after which every
-        process stops (the same everywhere), or None to go on."""
+        """Call after dispatching ``step`` and checking the step before, on every process:
+        the step after which every process stops (the same everywhere), or None to go on."""
         now = time.monotonic()
         if self._last_poll is not None:
             self._longest_gap_s = max(self._longest_gap_s, now - self._last_poll)
@@ -102,12 +108,24 @@ class StopFlag:
         if self.signal_name and not self._proposed:
             self._proposed = True
             who = f"{self.signal_name} to process {_process_index()}"
-            store.set_first(STOP_KEY, f"{step + MARGIN_STEPS} {who}")
-        agreed = store.try_get(STOP_KEY)
+            self._agree(store.set_first(STOP_KEY, f"{step + MARGIN_STEPS} {who}"))
+        elif self._poll is not None:
+            self._agree(self._poll.result())  # started a step ago: normally done
+        if self.stop_step is None:
+            if self._poller is None:
+                self._poller = ThreadPoolExecutor(1, thread_name_prefix="jaxdist-stop-poll")
+            self._poll = self._poller.submit(store.try_get, STOP_KEY)
+        return self.stop_step
+
+    def _agree(self, agreed: str | None) -> None:
         if agreed is not None:
             at, self.requested_by = agreed.split(" ", 1)
             self.stop_step = int(at)
-        return self.stop_step
+
+    def close(self) -> None:
+        """Ends the background poll (the loop is over)."""
+        if self._poller is not None:
+            self._poller.shutdown(wait=False, cancel_futures=True)
 
 
 def _process_index() -> int:

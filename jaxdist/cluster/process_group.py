@@ -34,12 +34,15 @@ class ProcessInfo:
         )
 
 
-def use_cpu_devices(count: int) -> None:
-    """Emulates ``count`` CPU devices. Only possible before JAX initialises its backend;
-    afterwards it is accepted only if the backend already has exactly that many."""
+def use_cpu_devices(count: int, num_processes: int = 1) -> None:
+    """Emulates ``count`` CPU devices (0: as JAX's configuration has it) in each of
+    ``num_processes``, and sizes the CPU thread pool for their collectives. Only possible
+    before JAX initialises its backend; afterwards it is accepted only if the backend
+    already has exactly that many."""
+    configured = jax.config.jax_num_cpu_devices  # JAX_NUM_CPU_DEVICES, or -1: one
+    cpu_backend.size_thread_pool(count or max(configured, 1), num_processes)
     if not count:
         return
-    cpu_backend.size_thread_pool(count)
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", count)
@@ -143,8 +146,8 @@ def initialize(
         print(info)  # process 0/2: 4 local of 8 cpu devices
     """
     select_platform(os.environ.get("JAXDIST_PLATFORM"))
-    use_cpu_devices(cpu_devices)
     spec = environment.resolve(os.environ, coordinator, num_processes, process_id, local_device_ids)
+    use_cpu_devices(cpu_devices, spec.num_processes)
     if spec.multi_process and not jax.distributed.is_initialized():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         _join(spec, init_timeout, heartbeat_timeout, coordinator_bind_address, health)

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from jaxdist.errors import ConfigError
+from jaxdist.parallel.packed import unpack
 
 VARIABLE = "JAXDIST_FAULT"
 KINDS = ("kill", "freeze", "stall-data", "spin", "deadlock", "program", "flip", "abort", "nan")
@@ -163,6 +164,7 @@ def flip_a_bit(state, leaf: int = 0):
     """``state`` with bit 20 of the first element of parameter ``leaf`` (in
     ``jax.tree.leaves`` order) flipped in this process's first device's block only: its
     replicas now differ by one bit."""
+    state = unpack(state)  # a TrainState, for dataclasses.replace
     leaves, treedef = jax.tree.flatten(state.params)
     first = leaves[leaf]
     shards = [s.data for s in first.addressable_shards]

@@ -61,6 +61,15 @@ class ReplicaCheck:
         )
         self._fn = jax.jit(lambda tree: mapped(*jax.tree.leaves(tree)))
 
+    def prepare(self, params) -> None:
+        """Compiles the check for ``params`` now (e.g. with the first step, which compiles
+        anyway) rather than at the first check, where it would stall a running loop.
+        pmap's per-device programs compile on first use."""
+        if self._fn is None:
+            self._build(params)
+            if not self.copies:
+                self._fn = self._fn.lower(params).compile()
+
     def fingerprints(self, params) -> np.ndarray:
         """(devices, parameters) uint32, rows in ``self.devices`` order, the same on
         every process."""

@@ -19,6 +19,7 @@ from jaxdist.parallel.collectives import (
 from jaxdist.parallel.device_mesh import AXES, DeviceCountError, make_mesh, shard_batch
 from jaxdist.parallel.host import host_value, local_value, scalars
 from jaxdist.parallel.layout import Layout, LayoutError, path_name, state_shardings
+from jaxdist.parallel.packed import PackedState
 from jaxdist.parallel.program import StepProgram
 from jaxdist.parallel.step import TrainState
 from jaxdist.parallel.step_checks import BadBatchError, NonFiniteError
@@ -32,6 +33,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "NonFiniteError",
+    "PackedState",
     "Parallel",
     "StepProgram",
     "TrainState",

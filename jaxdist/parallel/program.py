@@ -17,8 +17,8 @@ class StepProgram:
     It lowers and compiles without data or a real state, e.g.
     ``program.compile().memory_analysis()`` or ``.as_text()`` for its collectives."""
 
-    fn: Callable  # jitted: (state, global batch) -> (state, metrics); donates the state
-    state: Any  # abstract TrainState
+    fn: Callable  # jitted: (PackedState, global batch) -> (PackedState, metrics); donates it
+    state: Any  # abstract PackedState (jaxdist.parallel.packed): reads like a TrainState
     batch: Any  # abstract global batch
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 

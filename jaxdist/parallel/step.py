@@ -182,7 +182,8 @@ def make_train_step(
             )
         if o.batch_check is not None:
             status.update(step_checks.first_bad_row(batch, o.batch_check, o.axis_name))
-        metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, **status}
+        metrics = {**metrics, "loss": loss, "grad_norm": grad_norm}
+        metrics[step_checks.STATUS] = step_checks.status_vector(status)
         if o.schedule is not None:
             metrics["lr"] = o.schedule(state.step)
         new_state = TrainState(state.step + 1, params, stats, state.rng_state, opt_state)

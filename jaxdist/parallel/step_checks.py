@@ -1,8 +1,9 @@
 """Per-step health: non-finite losses and gradients, and rows the data check rejects.
 
 Computed inside the step at the cost of what it already does (the gradient norm's
-per-parameter sums of squares; one reduction per batch check), returned as a few scalars
-among the metrics (``health/*``), read on the host by ``DataParallel.check``.
+per-parameter sums of squares; one reduction per batch check), returned as one small int32
+vector among the metrics (``health/status``: nonfinite, first non-finite leaf, first bad
+row), which ``DataParallel.check`` reads on the host in one transfer a step.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ import numpy as np
 
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel.collectives import min_over_replicas, replica_index
+from jaxdist.parallel.host import host_value, scalars
 
 NONFINITE = "health/nonfinite"  # 1: the loss or the gradient norm is NaN or infinite
 NONFINITE_LEAF = "health/nonfinite_leaf"  # index of the first such gradient leaf, or -1
 BAD_ROW = "health/bad_row"  # first global row the batch check rejected, or NO_ROW
 NO_ROW = np.iinfo(np.int32).max
 POLICIES = ("halt", "skip")
-# What ``check`` reads on the host after a step: a few scalars.
-CHECKED = (NONFINITE, NONFINITE_LEAF, BAD_ROW, "loss", "grad_norm")
+# What ``check`` reads on the host after a step: these three, as one (3,) int32 array.
+STATUS = "health/status"
+STATUS_FIELDS = (NONFINITE, NONFINITE_LEAF, BAD_ROW)
 
 
 class NonFiniteError(RuntimeError):
@@ -73,8 +76,29 @@ def first_bad_row(batch, batch_check: Callable, axis_name: str) -> dict:
     return {BAD_ROW: min_over_replicas(local, axis_name)}
 
 
-def check(values: dict, step: int, leaf_paths: list[str], policy: str) -> bool:
-    """Raises for a failed step; returns True if its update was skipped."""
+def status_vector(status: dict) -> jax.Array:
+    """The step's health scalars as one (3,) int32 array (``STATUS_FIELDS`` order): the
+    host reads it in one transfer instead of three."""
+    fields = {BAD_ROW: jnp.int32(NO_ROW), **status}
+    return jnp.stack([jnp.asarray(fields[k], jnp.int32) for k in STATUS_FIELDS])
+
+
+def check_metrics(metrics: dict, step: int, leaf_paths: list[str], policy: str) -> bool:
+    """``check`` of a step's metrics (device arrays): the status in one transfer, the loss
+    and gradient norm read only for a failed step's message."""
+    status = host_value(metrics[STATUS]).reshape(-1)[:3]  # pmap: device 0's copy
+    values = dict(zip(STATUS_FIELDS, status.tolist(), strict=True))
+
+    def read(name):
+        return scalars({name: metrics[name]})[name] if name in metrics else None
+
+    return check(values, step, leaf_paths, policy, read)
+
+
+def check(values: dict, step: int, leaf_paths: list[str], policy: str, read=dict().get) -> bool:
+    """Raises for a failed step (``values``: ``STATUS_FIELDS``; ``read(name)``: a metric
+    for the message, read from the devices only then); returns True if its update was
+    skipped."""
     bad_row = int(values.get(BAD_ROW, NO_ROW))
     if bad_row != NO_ROW:
         raise BadBatchError(
@@ -93,7 +117,7 @@ def check(values: dict, step: int, leaf_paths: list[str], policy: str) -> bool:
         else "the gradient is finite, the loss is not"
     )
     raise NonFiniteError(
-        f"step {step}: the loss or gradient norm is not finite (loss {values.get('loss')}, "
-        f"grad_norm {values.get('grad_norm')}); {where}. --nan-policy skip skips such updates",
+        f"step {step}: the loss or gradient norm is not finite (loss {read('loss')}, "
+        f"grad_norm {read('grad_norm')}); {where}. --nan-policy skip skips such updates",
         step,
     )

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxdist.errors import ConfigError
-from jaxdist.parallel import bound_axes, layout, step_checks, strategies
+from jaxdist.parallel import bound_axes, layout, packed, step_checks, strategies
 from jaxdist.parallel.device_mesh import batch_shards, batch_spec, make_mesh
 from jaxdist.parallel.host import host_value, scalars
 from jaxdist.parallel.initial_state import ModelSource
@@ -112,6 +112,7 @@ class Parallel:
         self._on_new_shapes: Callable | None = None  # see on_new_batch_shapes
         self._batch_shapes: set = set()
         self._saved = SavedState(self.layout, self._source.one_copy_state, self.state_sharding)
+        self._treedef = jax.tree.structure(self._source.abstract_state)  # of its arrays
 
     @property
     def state_sharding(self):
@@ -123,13 +124,16 @@ class Parallel:
         program, so no device holds more than its copy. The model passed in is untouched."""
         return self._source.init_state()
 
-    def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
-        """One optimizer step on a global batch from ``shard_batch``. Donates ``state``."""
+    def step(self, state: TrainState, batch) -> tuple[packed.PackedState, dict]:
+        """One optimizer step on a global batch from ``shard_batch``. Donates ``state``.
+        The new state comes back as a ``PackedState`` (its arrays in a flat list, read
+        like a ``TrainState``: ``.params``, ``.step``; ``.unpack()``), which the next step
+        passes to the device without flattening flax's Variables again."""
         program = self.program(batch)
         if self._on_new_shapes is not None and _shapes(batch) not in self._batch_shapes:
             self._batch_shapes.add(_shapes(batch))  # rare: a batch of new shapes
             self._on_new_shapes(program, batch)
-        return program(state, batch)
+        return program(self._packed(state), batch)
 
     def on_new_batch_shapes(self, callback: Callable, *, known=None) -> None:
         """``callback(program, batch)`` runs before a step on batch shapes not seen
@@ -143,8 +147,7 @@ class Parallel:
         """Reads the step's health (a few scalars): raises ``NonFiniteError`` (NaN or inf
         loss or gradient, ``nan_policy="halt"``) or ``BadBatchError`` (``batch_check``);
         returns True when the update was skipped (``nan_policy="skip"``)."""
-        values = scalars({k: metrics[k] for k in step_checks.CHECKED if k in metrics})
-        return step_checks.check(values, step, self._source.leaf_paths, self.nan_policy)
+        return step_checks.check_metrics(metrics, step, self._source.leaf_paths, self.nan_policy)
 
     def save(self, state: TrainState, directory, *, extra: dict | None = None, keep: int = 3):
         """Starts an asynchronous checkpoint of ``state`` as ``directory/<state.step>``
@@ -152,6 +155,7 @@ class Parallel:
         blocked. ``extra``: JSON-able values kept with it (the trainer: data position,
         config). The newest ``keep`` checkpoints are kept. ``wait_for_saves()`` before
         exit. Example: ``dp.save(state, "ckpt", extra={"epoch": 3})``."""
+        state = packed.unpack(state)
         step = int(host_value(state.step).reshape(-1)[0])
         return self._saved.checkpointer(directory, keep).save(step, self._saved.named(state), extra)
 
@@ -180,7 +184,7 @@ class Parallel:
     def evaluate(self, state: TrainState, batch) -> dict[str, float]:
         """Sums of ``eval_fn``'s per-example values over the rows of a global batch whose
         ``mask`` (from ``EvalSampler``) is 1, and ``count``, the number of such rows."""
-        return scalars(self._wire(batch)[1](state, batch))
+        return scalars(self._wire(batch)[1](self._packed(state), batch))
 
     def program(self, batch) -> StepProgram:
         """The compiled training step for global batches shaped like ``batch`` (arrays or
@@ -190,7 +194,7 @@ class Parallel:
 
     def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
         """The lowered step, e.g. ``dp.lower(state, batch).compile().as_text()``."""
-        return self.program(batch).fn.lower(state, batch)
+        return self.program(batch).fn.lower(self._packed(state), batch)
 
     def lower_init(self) -> jax.stages.Lowered:
         """The lowered ``init_state`` program, e.g. for its ``memory_analysis()``."""
@@ -199,7 +203,7 @@ class Parallel:
     def unreplicate(self, state: TrainState) -> TrainState:
         """One whole copy of the state (pmap keeps one per device; sharded arrays are
         gathered), readable on every process."""
-        return self.layout.one_copy(state)
+        return self.layout.one_copy(packed.unpack(state))
 
     def metrics(self, metrics) -> dict[str, float]:
         """Device metrics -> Python floats (waits for the step to finish)."""
@@ -218,6 +222,9 @@ class Parallel:
         one = self.unreplicate(state)
         return nnx.merge(self.graphdef, one.params, one.batch_stats, one.rng_state)
 
+    def _packed(self, state) -> packed.PackedState:
+        return packed.pack_as(state, self._treedef)
+
     def _wire(self, batch) -> tuple[StepProgram, Callable]:
         if self._wired is None:
             self._wired = self._build_steps(batch)
@@ -227,7 +234,9 @@ class Parallel:
         """Finds the model's axis names on the first batch, then builds and wires the steps."""
         names = bound_axes.names_used(
             self._source.abstract_loss(self._loss_fn),
-            *self._source.abstract_args(self._example_rows(batch)),
+            *self._source.abstract_args(
+                strategies.example_rows(self.strategy, self.mesh, self._options.grad_accum, batch)
+            ),
         )
         per_replica = strategies.wants_per_replica(
             self.strategy,
@@ -263,30 +272,19 @@ class Parallel:
             use_params = layout.fsdp_use(self.state_sharding.params)
             options = dataclasses.replace(options, use_params=use_params)
 
-        def build(replicas):
-            source = self._source
-            return (
-                make_train_step(source.train_graphdef, self._loss_fn, self._tx, options, replicas),
-                make_eval_step(source.eval_graphdef, self._eval_fn, options, replicas),
-            )
+        def build(replicas):  # both of a PackedState: a thin dispatch (jaxdist.parallel.packed)
+            train_graphdef, eval_graphdef = self._source.train_graphdef, self._source.eval_graphdef
+            train = make_train_step(train_graphdef, self._loss_fn, self._tx, options, replicas)
+            evaluate = make_eval_step(eval_graphdef, self._eval_fn, options, replicas)
+            return packed.packed_step(train), packed.packed_eval(evaluate)
 
+        abstract_state = self._packed(abstract(self._source.abstract_state, self.state_sharding))
+        shardings = packed.PackedState([x.sharding for x in abstract_state.leaves], self._treedef)
         step, evaluate = strategies.wire(
-            self.strategy, build, self.mesh, axis_name, self.state_sharding, replicas
+            self.strategy, build, self.mesh, axis_name, shardings, replicas
         )
-        abstract_state = abstract(self._source.abstract_state, self.state_sharding)
         abstract_batch = abstract(batch, NamedSharding(self.mesh, batch_spec(self.mesh)))
         return StepProgram(step, abstract_state, abstract_batch), evaluate
-
-    def _example_rows(self, batch):
-        """Abstract rows as one loss call sees them: per device (pmap, shard_map) and per
-        microbatch, e.g. global (64, T) on 8 devices with grad-accum 2 -> (4, T)."""
-        per_call = batch_shards(self.mesh) if self.strategy != "gspmd" else 1
-        per_call *= self._options.grad_accum
-        if isinstance(batch, dict):
-            batch = {k: v for k, v in batch.items() if k != "mask"}
-        return jax.tree.map(
-            lambda v: jax.ShapeDtypeStruct((v.shape[0] // per_call, *v.shape[1:]), v.dtype), batch
-        )
 
 
 DataParallel = Parallel  # PyTorch's DDP-shaped name; one class, one code path

@@ -11,6 +11,9 @@ In your own loop, TensorBoard takes three lines::
 
 from __future__ import annotations
 
+import queue
+import threading
+
 from jaxdist.sinks.events import (
     CheckpointSaved,
     Compiled,
@@ -27,7 +30,12 @@ from jaxdist.sinks.events import (
 
 
 class Sink:
-    """Handles an event by its ``on_<kind>`` method, if it has one."""
+    """Handles an event by its ``on_<kind>`` method, if it has one. ``background``: the
+    sink may run on the reporting thread (``Sinks(..., background=True)``); a sink whose
+    work must happen at the event's moment on the loop's thread (the profiler starting
+    its trace before a step) says False."""
+
+    background = True
 
     def handle(self, event: Event) -> None:
         method = getattr(self, "on_" + event.kind, None)
@@ -40,22 +48,75 @@ class Sink:
 
 class Sinks:
     """The sinks of a run, called in order (a file sink before the terminal, so that a
-    line printed about a step is already on disk)."""
+    line printed about a step is already on disk).
 
-    def __init__(self, sinks: list[Sink]):
+    ``background=True`` (the trainer): events go to the ``background`` sinks through a
+    queue, handled in order on one reporting thread, so that writing files and lines
+    overlaps the devices' work instead of the loop's; ``close()`` handles every event
+    still queued first. A sink's exception is raised on the loop's thread, by the next
+    ``emit`` or by ``close``, and the events after it are dropped."""
+
+    def __init__(self, sinks: list[Sink], *, background: bool = False):
         self.sinks = list(sinks)
+        later = [s for s in self.sinks if background and s.background]
+        self._now = [s for s in self.sinks if s not in later]
+        self._later = later
+        self._handled: dict[str, bool] = {}  # event kind -> does a later sink handle it
+        self._queue: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        if later:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._report, name="jaxdist-sinks", daemon=True)
+            self._thread.start()
 
     def emit(self, event: Event) -> None:
-        for sink in self.sinks:
+        self._raise_error()
+        for sink in self._now:
             sink.handle(event)
+        if self._queue is not None and self._later_handles(event.kind):
+            self._queue.put(event)
 
     def log(self, step: int, values: dict) -> None:
         """A logged step from a custom loop: ``values`` is a dict of Python numbers."""
         self.emit(StepMetrics(step, {"step": step, **values}))
 
-    def close(self) -> None:
+    def close(self, *, failing: bool = False) -> None:
+        """Handles the queued events, then closes every sink (once; later calls do
+        nothing). ``failing``: the run is already ending on an error, which a sink's
+        error must not replace."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(None)  # after every event already queued
+            self._thread.join()
+            self._thread = None
         for sink in self.sinks:
             sink.close()
+        if not failing:
+            self._raise_error()
+
+    def _later_handles(self, kind: str) -> bool:
+        if kind not in self._handled:
+            self._handled[kind] = any(hasattr(s, "on_" + kind) for s in self._later)
+        return self._handled[kind]
+
+    def _report(self) -> None:
+        while (event := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # a sink failed: the loop is told at its next emit
+            try:
+                for sink in self._later:
+                    sink.handle(event)
+            except BaseException as err:  # noqa: BLE001 - raised on the loop's thread
+                self._error = err
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
 
 
 def __getattr__(name: str):

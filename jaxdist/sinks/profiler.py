@@ -18,7 +18,10 @@ from jaxdist.sinks.events import StepMetrics, StepStarting, Stopped
 
 class Profiler(Sink):
     """Traces steps ``start`` to ``stop`` into ``log_dir`` (``log_dir/plugins/profile/<time>``
-    holds the ``.xplane.pb`` and ``.trace.json.gz`` files)."""
+    holds the ``.xplane.pb`` and ``.trace.json.gz`` files). Runs on the loop's thread:
+    the trace starts before the first traced step is dispatched."""
+
+    background = False
 
     def __init__(self, log_dir: str | Path, start: int, stop: int):
         self.log_dir, self.start, self.stop = Path(log_dir), start, stop

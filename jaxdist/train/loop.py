@@ -58,13 +58,38 @@ class Run:
     evaluations: int = 0
 
 
+@dataclass
+class Dispatched:
+    """A step handed to the devices, not checked yet."""
+
+    step: int
+    metrics: dict  # device arrays
+    batch: dict  # the first step's FLOPs are read from its program
+    wait_s: float  # waiting for its batch
+    logged: bool  # a metrics.jsonl record
+
+
+@dataclass
+class Window:
+    """The steps since the last log record: their count, wall time and data wait."""
+
+    start_s: float  # perf_counter at the previous record (pauses added: saves, evaluations)
+    steps: int = 0
+    waited_s: float = 0.0
+
+
 def loop(run: Run, sinks: Sinks) -> int | None:
     """The training loop from the step after ``run.begin.step``; returns the step it
-    stopped after on a stop signal (a checkpoint of it saved), or None."""
+    stopped after on a stop signal (a checkpoint of it saved), or None.
+
+    The host keeps one step queued ahead of the devices: step k is checked (and logged)
+    after step k + 1 is dispatched, so the host's bookkeeping overlaps the devices' work.
+    Only what needs step k's result or its state now waits for it: the first step (it
+    compiles), the last, a checkpoint, an evaluation, a replica check."""
     cfg = run.config.train
-    state, pending = run.state, None  # pending: (step, metrics) not checked yet
-    steps_since, waited_s = 0, 0.0  # since the last log line
-    t_start = t_last = time.perf_counter()
+    state, pending = run.state, None
+    t_start = time.perf_counter()
+    window = Window(t_start)
     first = run.begin.step + 1
     watch = run.health.watch  # a phase's deadline runs from its start (the first: compiles)
     for step in range(first, cfg.steps + 1):
@@ -74,48 +99,68 @@ def loop(run: Run, sinks: Sinks) -> int | None:
         state = run.health.faults.before_step(step, state)
         watch.phase("step", step, slow=step == first)
         state, metrics = run.dp.step(state, batch)
+        if pending is not None:  # the step before, while this one is queued behind it
+            finish_step(run, sinks, pending, window)
         stop_after = run.stop.stop_after(step)  # the same step on every process
         stopping = stop_after is not None and step >= stop_after
-        if pending is not None:
-            # One step behind: reading the previous step's health waits for it, so the loop
-            # stays at most one step ahead of the devices (time spent waiting for data is
-            # then time the devices might have idled) and a bad step stops the run at once.
-            check(run, *pending)
-        pending = (step, metrics)
-        steps_since, waited_s = steps_since + 1, waited_s + wait_s
         last = step == cfg.steps or stopping
         eval_now = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
-        if step == first or step % cfg.log_every == 0 or last or eval_now:
-            check(run, *pending)  # waits for this step
-            pending = None
-            if step == first:  # the first step also compiles: timed apart
-                run.flops = flops_lib.for_run(run, batch)  # its compiled step: cached
-                t_last = time.perf_counter()
-                run.compile_s = t_last - t_start
-                sinks.emit(Compiled(step, run.compile_s, run.flops))
-            values = log_values(run, metrics, step, steps_since, waited_s, t_last, step == first)
-            timed_s = run.compile_s if step == first else values["step_time_s"] * steps_since
-            if eval_now:
-                values.update(evaluate_at(run, state, step, sinks))
-            run.history.append(values)
-            timing = (steps_since, timed_s, waited_s, step == first)  # first: compiling
-            sinks.emit(StepMetrics(step, values, *timing))
-            t_last, steps_since, waited_s = time.perf_counter(), 0, 0.0
+        logged = step == first or step % cfg.log_every == 0 or last or eval_now
+        pending = Dispatched(step, metrics, batch, wait_s, bool(logged))
         saving = last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
         compare = run.health.wants_check(step, saving=saving)
-        if (saving or compare) and pending is not None:  # a checkpoint holds checked steps only
-            check(run, *pending)
+        if step == first or last or eval_now or saving or compare:  # this step's end, now
+            finish_step(run, sinks, pending, window, state if eval_now else None)
             pending = None
+        if step == first:  # compiling anyway: the replica check too, not in a later step
+            watch.phase("check", step, slow=True)
+            window.start_s += timed(run.health.prepare_checks, run.dp, state)
         # Replica checks: step time, or the checkpoint's when before a save.
         checked_s = check_replicas(run, state, step) if compare else 0.0
         if saving:  # not step time; the last: on disk
-            t_last += save(run, state, step, sinks, wait=last, checked_s=checked_s)
+            window.start_s += save(run, state, step, sinks, wait=last, checked_s=checked_s)
         if stopping:
             run.state, run.elapsed_s = state, time.perf_counter() - t_start
             return step
     # Every step has been checked: the last one is always logged.
     run.state, run.elapsed_s = state, time.perf_counter() - t_start
     return None
+
+
+def timed(fn, *args) -> float:
+    """Runs ``fn(*args)``; returns the seconds it took."""
+    started = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - started
+
+
+def finish_step(run: Run, sinks: Sinks, done: Dispatched, window: Window, state=None) -> None:
+    """Checks a dispatched step (waits for it) and, if due, emits its log record;
+    ``state``: the state after it, for an evaluation at this step."""
+    check(run, done.step, done.metrics)
+    window.steps, window.waited_s = window.steps + 1, window.waited_s + done.wait_s
+    if not done.logged:
+        return
+    ended_s = time.perf_counter()  # the step is over: the window's wall time ends here
+    compiling = done.step == run.begin.step + 1  # the first step also compiles: timed apart
+    if compiling:
+        run.flops = flops_lib.for_run(run, done.batch)  # its compiled step: cached
+        run.compile_s = ended_s - window.start_s
+        sinks.emit(Compiled(done.step, run.compile_s, run.flops))
+    values = log_values(run, done.metrics, done.step, window, ended_s, compiling)
+    if state is not None:
+        values.update(evaluate_at(run, state, done.step, sinks))
+    run.history.append(values)
+    timed_s = run.compile_s if compiling else ended_s - window.start_s
+    sinks.emit(StepMetrics(done.step, values, window.steps, timed_s, window.waited_s, compiling))
+    # The next window starts where this one ended: the host's logging overlaps the queued
+    # step and is part of step time. An evaluation and the first step's FLOPs are not.
+    paused = compiling or state is not None
+    window.start_s, window.steps, window.waited_s = (
+        time.perf_counter() if paused else ended_s,
+        0,
+        0.0,
+    )
 
 
 def save(run: Run, state, step: int, sinks: Sinks, *, wait: bool, checked_s: float) -> float:
@@ -157,13 +202,12 @@ def check_replicas(run: Run, state, step: int) -> float:
     return time.perf_counter() - started
 
 
-def log_values(run: Run, metrics, step, steps_since, waited_s, t_last, compiling) -> dict:
+def log_values(run: Run, metrics, step: int, window: Window, ended_s: float, compiling) -> dict:
     """One metrics.jsonl record: the step's metrics, speed, MFU, device memory and data
-    wait."""
+    wait, for the ``window`` of steps that ended at ``ended_s``."""
     cfg = run.config.train
     values = run.dp.metrics(metrics)  # the step has finished: it was checked
-    now = time.perf_counter()
-    step_time = run.compile_s if compiling else (now - t_last) / steps_since
+    step_time = run.compile_s if compiling else (ended_s - window.start_s) / window.steps
     values.update(
         step=step,
         step_time_s=step_time,
@@ -173,8 +217,8 @@ def log_values(run: Run, metrics, step, steps_since, waited_s, t_last, compiling
     if run.task == "lm":
         values["tokens_per_s"] = values["samples_per_s"] * run.config.model.seq_len
     if not compiling:  # the time the step waited for input, per step and as a share
-        values["data_wait_s"] = waited_s / steps_since
-        values["data_wait_frac"] = waited_s / (now - t_last)
+        values["data_wait_s"] = window.waited_s / window.steps
+        values["data_wait_frac"] = window.waited_s / (ended_s - window.start_s)
         mfu = run.flops.mfu(step_time) if run.flops else None
         if mfu is not None:
             values["mfu"] = mfu
@@ -215,6 +259,7 @@ def finish(run: Run, sinks, stopped_at: int | None) -> None:
     """After the loop: the last checkpoint on disk, the params saved, the summary."""
     cfg = run.config.train
     run.batches.close()
+    run.stop.close()
     run.health.watch.phase("save", stopped_at or cfg.steps)  # the last step trained
     run.dp.wait_for_saves()  # the last checkpoint is on disk before we say done
     if cfg.save_params and stopped_at is None:

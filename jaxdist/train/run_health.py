@@ -105,6 +105,12 @@ class RunHealth:
         """The next check is the first: it compiles (a slow phase)."""
         return self._replicas is None
 
+    def prepare_checks(self, dp: jaxdist.Parallel, state) -> None:
+        """Compiles the replica check ahead of its first use, if there will be one."""
+        if self.every and self._replicas is None:
+            self._replicas = ReplicaCheck(dp)
+            self._replicas.prepare(state.params)
+
     def check_replicas(self, dp: jaxdist.Parallel, state, step: int) -> None:
         """Compares the replicas now (the loop asks ``wants_check`` first)."""
         if self._replicas is None:

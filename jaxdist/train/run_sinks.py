@@ -45,7 +45,7 @@ def make_sinks(config: Config, run: Run, quiet: bool, clock_start: float) -> Sin
         sinks.append(Profiler(log_dir, start, stop))
     if is_main and not quiet:
         sinks.append(Terminal(goodput))
-    return Sinks(sinks)
+    return Sinks(sinks, background=True)  # files and lines written off the loop's thread
 
 
 def started(config: Config, run: Run) -> Started:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
 from jax.sharding import Mesh
 
 from jaxdist.errors import ConfigError
-from jaxdist.parallel.device_mesh import DATA
+from jaxdist.parallel.device_mesh import DATA, batch_shards
 from jaxdist.parallel.layout import Layout
 
 NAMES = ("pmap", "shard_map", "gspmd")
@@ -64,6 +65,17 @@ def wants_per_replica(name: str, mesh: Mesh, grad_accum: int, has_batch_stats: b
     looped = grad_accum > 1 or shape.get("stage", 1) > 1
     wanted = looped or shape.get("fsdp", 1) > 1
     return name == "gspmd" and wanted and shape.get("model", 1) == 1 and not has_batch_stats
+
+
+def example_rows(name: str, mesh: Mesh, grad_accum: int, batch):
+    """Abstract rows as one loss call sees them: per device (pmap, shard_map) and per
+    microbatch, e.g. global (64, T) on 8 devices with grad-accum 2 -> (4, T)."""
+    per_call = (batch_shards(mesh) if name != "gspmd" else 1) * grad_accum
+    if isinstance(batch, dict):
+        batch = {k: v for k, v in batch.items() if k != "mask"}
+    return jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct((v.shape[0] // per_call, *v.shape[1:]), v.dtype), batch
+    )
 
 
 def wire(name: str, build: Callable, mesh: Mesh, axis_name: str, state_sharding, per_replica):
