@@ -109,12 +109,12 @@ def loop(run: Run, sinks: Sinks) -> int | None:
         pending = Dispatched(step, metrics, batch, wait_s, bool(logged))
         saving = last or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)
         compare = run.health.wants_check(step, saving=saving)
+        if step == first:  # the replica check compiles with the first step (compile time)
+            watch.phase("check", step, slow=True)
+            run.health.prepare_checks(run.dp, state)
         if step == first or last or eval_now or saving or compare:  # this step's end, now
             finish_step(run, sinks, pending, window, state if eval_now else None)
             pending = None
-        if step == first:  # compiling anyway: the replica check too, not in a later step
-            watch.phase("check", step, slow=True)
-            window.start_s += timed(run.health.prepare_checks, run.dp, state)
         # Replica checks: step time, or the checkpoint's when before a save.
         checked_s = check_replicas(run, state, step) if compare else 0.0
         if saving:  # not step time; the last: on disk
@@ -125,13 +125,6 @@ def loop(run: Run, sinks: Sinks) -> int | None:
     # Every step has been checked: the last one is always logged.
     run.state, run.elapsed_s = state, time.perf_counter() - t_start
     return None
-
-
-def timed(fn, *args) -> float:
-    """Runs ``fn(*args)``; returns the seconds it took."""
-    started = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - started
 
 
 def finish_step(run: Run, sinks: Sinks, done: Dispatched, window: Window, state=None) -> None:

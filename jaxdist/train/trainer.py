@@ -247,13 +247,22 @@ def train(
     (default: now; the command passes its process's start)."""
     clock_start = time.perf_counter() if clock_start is None else clock_start
     run = setup(config, write)
+    # Set-up's objects (modules, traced programs) live on: while the loop runs, collections
+    # skip them (a full collection of them paused it for ~85 ms). Unfrozen after it, so
+    # that a process training again (tests, notebooks) can free this run's cycles.
+    gc.collect()  # set-up time, before the run's clock says it started
+    gc.freeze()
+    try:
+        return _run(run, config, quiet, clock_start)
+    finally:
+        gc.unfreeze()
+
+
+def _run(run: Run, config: Config, quiet: bool, clock_start: float) -> Run:
+    """The loop of a set-up run, its reporting and its ending."""
     sinks = make_sinks(config, run, quiet, clock_start)
     announce(run, sinks)  # what runs where, the deadlines, a resume
     try:
-        # Set-up's objects (modules, traced programs) live on: later collections skip
-        # them (a full collection of them paused the loop for ~85 ms).
-        gc.collect()
-        gc.freeze()
         with ending.in_run_dir(run.run_dir):
             stopped_at = loop(run, sinks)
         finish(run, sinks, stopped_at)
