@@ -73,40 +73,35 @@ def test_shapes_around_it_finish_too(tmp_path, batch, vocab, microbatches, mesh)
     assert [r["step"] for r in metrics_of(run_dir)][-1] == 4
 
 
-def test_the_cpu_pool_has_threads_for_every_devices_collectives():
+def pool_of(cpu_devices: int, **env_extra) -> tuple[str, int]:
+    """``PJRT_NPROC`` and XLA's CPU pool threads in a fresh process that ran
+    ``jaxdist.initialize(cpu_devices=...)``, from a shell without jaxdist's variables."""
     code = (
         "import os, jax, jaxdist\n"
-        "jaxdist.initialize(cpu_devices=8); jax.devices()\n"
-        "tasks = os.listdir('/proc/self/task')\n"
-        "names = [open(f'/proc/self/task/{t}/comm').read() for t in tasks]\n"
-        "print(sum('XLAEigen' in n for n in names))\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k not in (*POOL_VARIABLES, "JAX_NUM_CPU_DEVICES")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert int(proc.stdout.split()[-1]) >= 8 * 8  # THREADS_PER_DEVICE x devices
-    # a user's own PJRT_NPROC stands
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env={**env, "PJRT_NPROC": "9"}
-    )
-    assert int(proc.stdout.split()[-1]) == 9, proc.stderr
-
-
-def test_one_device_in_one_process_keeps_xlas_own_pool():
-    """No collective can wait in it: extra threads would only compete with the step's
-    (the tiny GPT's step on 2 cores: 5.3 ms with 2 threads, 6.5-8.4 ms with 8)."""
-    code = (
-        "import os, jax, jaxdist\n"
-        "jaxdist.initialize(cpu_devices=1); jax.devices()\n"
+        f"jaxdist.initialize(cpu_devices={cpu_devices}); jax.devices()\n"
         "tasks = os.listdir('/proc/self/task')\n"
         "names = [open(f'/proc/self/task/{t}/comm').read() for t in tasks]\n"
         "print(os.environ.get('PJRT_NPROC'), sum('XLAEigen' in n for n in names))\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in (*POOL_VARIABLES, "JAX_NUM_CPU_DEVICES")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**env, **env_extra}
+    )
     assert proc.returncode == 0, proc.stderr
     variable, threads = proc.stdout.split()[-2:]
-    assert variable == "None" and int(threads) <= (os.cpu_count() or 1)
+    return variable, int(threads)
+
+
+def test_the_cpu_pool_has_threads_for_every_devices_collectives():
+    assert pool_of(8)[1] >= 8 * 8  # THREADS_PER_DEVICE x devices
+    assert pool_of(8, PJRT_NPROC="9")[1] == 9  # a user's own PJRT_NPROC stands
+
+
+def test_one_device_in_one_process_keeps_xlas_own_pool():
+    """No collective can wait in it: extra threads would only compete with the step's
+    (the tiny GPT's step on 2 cores: 5.3 ms with 2 threads, 6.5-8.4 ms with 8)."""
+    variable, threads = pool_of(1)
+    assert variable == "None" and threads <= (os.cpu_count() or 1)
 
 
 def test_an_xla_abort_ends_as_a_named_failure(tmp_path):
