@@ -28,13 +28,6 @@ class PackedState:
     def __init__(self, leaves, treedef):
         self.leaves, self.treedef, self._state = tuple(leaves), treedef, None
 
-    @classmethod
-    def pack(cls, state) -> PackedState:
-        if isinstance(state, cls):
-            return state
-        leaves, treedef = jax.tree.flatten(state)
-        return cls(leaves, treedef)
-
     def unpack(self):
         """The ``TrainState`` (built once, on first use)."""
         if self._state is None:
@@ -83,10 +76,7 @@ def packed_step(train_step: Callable) -> Callable:
 
     def step(packed: PackedState, batch):
         state, metrics = train_step(packed.unpack(), batch)
-        out = PackedState.pack(state)
-        if out.treedef != packed.treedef:  # the state given back is the state given
-            raise TypeError(f"the step changed the state's structure: {out.treedef}")
-        return out, metrics
+        return pack_as(state, packed.treedef), metrics  # the structure it was given
 
     step.__name__ = step.__qualname__ = "train_step"  # the program's name in traces and HLO
     return step

@@ -64,7 +64,8 @@ class Sinks:
         self._handled: dict[str, bool] = {}  # event kind -> does a later sink handle it
         self._queue: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # not yet raised on the loop's thread
+        self._failed = False  # a sink failed: later events are dropped
         self._closed = False
         if later:
             self._queue = queue.SimpleQueue()
@@ -105,13 +106,13 @@ class Sinks:
 
     def _report(self) -> None:
         while (event := self._queue.get()) is not None:
-            if self._error is not None:
+            if self._failed:
                 continue  # a sink failed: the loop is told at its next emit
             try:
                 for sink in self._later:
                     sink.handle(event)
             except BaseException as err:  # noqa: BLE001 - raised on the loop's thread
-                self._error = err
+                self._error, self._failed = err, True
 
     def _raise_error(self) -> None:
         if self._error is not None:
