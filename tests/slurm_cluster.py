@@ -79,6 +79,8 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 InactiveLimit=0
 KillWait=5
+# An ended job stays visible to scontrol for 10 minutes (the tests read its final state).
+MinJobAge=600
 NodeName={",".join(NODES)} NodeAddr=127.0.0.1 CPUs=16 RealMemory=4000 Port={ports}
 PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """

@@ -158,12 +158,18 @@ def test_a_worker_killed_twice_restarts_the_group_which_ends_bit_for_bit(
     assert gone_within(run.below() | run.seen, 5), "processes left behind"
 
 
-def job_state(job_id: str, env: dict) -> dict[str, str]:
-    """``scontrol show job``'s KEY=VALUE fields."""
-    shown = subprocess.run(
-        ["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True, timeout=30
-    ).stdout
-    return dict(item.split("=", 1) for item in shown.split() if "=" in item)
+def job_state(job_id: str, env: dict, tries: int = 10) -> dict[str, str]:
+    """``scontrol show job``'s KEY=VALUE fields. On a loaded 2-core machine slurmctld
+    sometimes does not answer in time (scontrol exits non-zero, prints nothing): ask again."""
+    for _ in range(tries):
+        shown = subprocess.run(
+            ["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True, timeout=30
+        )
+        fields = dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
+        if "JobState" in fields:
+            return fields
+        time.sleep(1)
+    raise AssertionError(f"scontrol show job {job_id} gave no JobState: {shown.stderr[-500:]}")
 
 
 def job_processes(job_id: str) -> list[int]:
