@@ -2,6 +2,8 @@
 checks on and off: what is detected, how fast, what the message names, what is lost.
 
 Command:   python experiments/faults.py [--timeout 60] [--out experiments/FAULTS.md]
+           [--part health|storage|all]  (storage: the run directory's faults, as root;
+           ``experiments/storage_faults.py``)
 Hardware:  any CPU; 2 processes x 2 emulated devices on one machine, started by hand as
            a scheduler's srun would (no launcher to end the group for them).
 Runs:      the default MLP, 60 steps, a checkpoint every 5; ``JAXDIST_FAULT`` (see
@@ -148,7 +150,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--out", default=str(Path(__file__).with_name("FAULTS.md")))
     parser.add_argument("--only", default="", help="run the faults whose name contains this")
+    parser.add_argument("--part", choices=("health", "storage", "all"), default="all")
     args = parser.parse_args()
+    if args.part in ("storage", "all"):
+        storage_part(Path(args.out), args.only)
+    if args.part == "storage":
+        return
     results = {}
     with tempfile.TemporaryDirectory(prefix="jaxdist-faults-") as tmp:
         for name, spec in FAULTS.items():
@@ -161,7 +168,42 @@ def main() -> None:
     text = table(results)
     print(text)
     if not args.only:
-        Path(args.out).write_text(FAULTS_MD.format(table=text, timeout=args.timeout))
+        out = Path(args.out)
+        kept = out.read_text().split(STORAGE_HEAD)[1] if out.exists() else ""
+        text = FAULTS_MD.format(table=text, timeout=args.timeout)
+        out.write_text(text + (STORAGE_HEAD + kept if kept else ""))
+
+
+STORAGE_HEAD = "\n## The run directory's faults\n"
+
+
+def storage_part(out: Path, only: str) -> None:
+    """Runs ``storage_faults.CASES`` and writes their table after the health table."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import storage_faults
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="jaxdist-storage-") as tmp:
+        for name, case in storage_faults.CASES.items():
+            if only and only not in name:
+                continue
+            work = Path(tmp) / name.replace(" ", "-")
+            work.mkdir()
+            rows.append(case(work))
+            print(rows[-1], flush=True)
+        text = storage_faults.table(rows, Path(tmp))
+    print(text)
+    if not only:
+        health = out.read_text().split(STORAGE_HEAD)[0] if out.exists() else ""
+        out.write_text(f"{health.rstrip()}\n{STORAGE_HEAD}\n{STORAGE_MD}\n\n{text}\n")
+
+
+STORAGE_MD = """Made by `python experiments/faults.py --part storage` (as root: it mounts a
+tmpfs and a loop device; see `experiments/storage_faults.py` for each case's set-up). One process
+(the launcher case: 2 ranks), the default MLP. Seconds run from the fault (the save that
+failed: the newest checkpoint's time; the second start; the resume's start; the freeze;
+the signal) to jaxdist's line; the line is the first `jaxdist: error:` (the launcher:
+its last)."""
 
 
 FAULTS_MD = """# Faults, with jaxdist's health checks on and off

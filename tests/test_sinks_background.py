@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from jaxdist.checkpoint import StorageError
 from jaxdist.sinks import Note, Sink, Sinks, StepMetrics
 
 
@@ -28,6 +30,8 @@ class AtOnce(Recorder):
 
 
 class Failing(Sink):
+    path = Path("runs/x/metrics.jsonl")
+
     def on_note(self, event):
         raise OSError(28, "No space left on device")
 
@@ -59,7 +63,8 @@ def test_a_background_sinks_error_reaches_the_caller():
     sinks = Sinks([Failing()], background=True)
     sinks.emit(Note("first"))  # fails on the reporting thread
     deadline = time.monotonic() + 10
-    with pytest.raises(OSError, match="No space left"):
+    # named: the operation, the sink's file and the cause (a full disk ends the run, 74)
+    with pytest.raises(StorageError, match="cannot write runs/x/metrics.jsonl: no space left"):
         while time.monotonic() < deadline:  # raised by the first emit after it failed
             sinks.emit(Note("next"))
             time.sleep(0.01)
@@ -73,6 +78,6 @@ def test_close_raises_a_pending_error_unless_the_run_is_already_failing():
         if failing:
             sinks.close(failing=True)
         else:
-            with pytest.raises(OSError):
+            with pytest.raises(StorageError):
                 sinks.close()
         sinks.close()  # a second close does nothing

@@ -1,6 +1,8 @@
 """Checkpoints and the run directory: orbax saves (asynchronous, sharded, verified by a
 fingerprint per array) in ``checkpointer.py``, and the run directory that holds them
-(``run_directory.py``: named once for the whole group, never silently replaced).
+(``run_directory.py``: named once for the whole group, never silently replaced; and
+``lock.py``: one run in it at a time); a failed write to it, named once, in
+``io_errors.py`` (``StorageError``: exit 74).
 ``Parallel.save`` / ``Parallel.restore`` use the checkpointer; the trainer's resume
 decision is ``jaxdist.train.resume``.
 """
@@ -11,5 +13,6 @@ from jaxdist.checkpoint.checkpointer import (
     fingerprint,
     fingerprints,
 )
+from jaxdist.checkpoint.io_errors import StorageError
 
-__all__ = ["Checkpointer", "CorruptCheckpointError", "fingerprint", "fingerprints"]
+__all__ = ["Checkpointer", "CorruptCheckpointError", "StorageError", "fingerprint", "fingerprints"]

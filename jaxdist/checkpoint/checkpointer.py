@@ -20,6 +20,7 @@ which the next ``Checkpointer`` removes (process 0, synchronously).
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxdist.checkpoint import io_errors
 from jaxdist.errors import ConfigError, JaxdistError
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -86,15 +88,23 @@ class Checkpointer:
         self.skipped: list[tuple[int, str]] = []  # the last restore's damaged checkpoints
         import orbax.checkpoint as ocp
 
+        io_errors.quiet_orbax_storage_errors()
         self.directory = Path(directory).absolute()
         if jax.process_index() == 0:
             remove_partial(self.directory)
         multihost_utils.sync_global_devices(f"jaxdist-checkpointer:{self.directory}")
-        self._ocp = ocp
-        self._manager = ocp.CheckpointManager(
+        self._ocp, self._keep = ocp, keep
+        # the save being written in the background: (step, time.monotonic() at its start)
+        self.writing: tuple[int, float] | None = None
+        with io_errors.writing("create the checkpoint directory", self.directory):
+            self._manager = self._new_manager()
+
+    def _new_manager(self):
+        ocp = self._ocp
+        return ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, enable_async_checkpointing=True, create=True
+                max_to_keep=self._keep, enable_async_checkpointing=True, create=True
             ),
         )
 
@@ -114,17 +124,58 @@ class Checkpointer:
             **(extra or {}),
         }
         args = self._ocp.args
-        self._manager.save(
-            step,
-            args=args.Composite(state=args.StandardSave(arrays), meta=args.JsonSave(meta)),
-        )
+        self.wait()  # orbax would wait too: a failure of the previous save is named as its
+        self.writing = (step, time.monotonic())
+        with self._failing(step):
+            self._manager.save(
+                step,
+                args=args.Composite(state=args.StandardSave(arrays), meta=args.JsonSave(meta)),
+            )
         return time.perf_counter() - started
 
     def wait(self) -> None:
-        """Blocks until the last save is complete on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until the last save is complete on disk; ``StorageError`` if it failed."""
+        if self.writing is None:
+            return
+        with self._failing(self.writing[0]):
+            self._manager.wait_until_finished()
+        self.writing = None
+
+    def in_flight(self) -> tuple[int, float, Path] | None:
+        """(step, seconds, directory) of a save still being written, or None. Read by the
+        watchdog's thread: a stalled file system shows as a save that never ends."""
+        writing = self.writing
+        if writing is None or not self._manager.is_saving_in_progress():
+            return None
+        return writing[0], time.monotonic() - writing[1], self.directory / str(writing[0])
+
+    @contextlib.contextmanager
+    def _failing(self, step: int):
+        """A storage failure of checkpoint ``step`` as one ``StorageError``. The save is
+        abandoned: its temporary directory removed (the space it took given back, the
+        newest complete checkpoint untouched) and a fresh orbax manager made, so that a
+        later save can be tried (``--checkpoint-failures continue``)."""
+        try:
+            yield
+        except Exception as err:
+            where = self.directory / str(step)
+            failed = io_errors.storage_error(err, f"write checkpoint {step} to", where, step)
+            if failed is None:
+                raise
+            self.writing = None
+            self._abandon()
+            raise failed from None
+
+    def _abandon(self) -> None:
+        with contextlib.suppress(Exception):
+            self._manager.close()
+        if jax.process_index() == 0:
+            remove_partial(self.directory)
+        with contextlib.suppress(Exception):
+            self._manager = self._new_manager()
 
     def close(self) -> None:
+        self.wait()
         self._manager.close()
 
     def read_meta(self, step: int) -> dict:

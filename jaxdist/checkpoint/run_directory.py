@@ -1,12 +1,13 @@
 """The run directory: ``config.yaml``, ``metrics.jsonl``, ``checkpoints/``.
 
 Named once for the whole group (and for every restart of it), checked at setup, made
-only once the first step has trained, so that bad input, which fails before that (exit
-2), leaves nothing behind. An earlier run in it is never silently replaced: it is
-resumed from its newest checkpoint (``--resume auto``), or refused unless
-``--overwrite``. An earlier attempt of this same run (its id in ``run_id``) that saved
-no checkpoint is not another run: it is trained again from step 0. Process 0 writes;
-every process reads the same shared directory.
+only once the first step has trained (before, only to hold ``lock.py``'s lock, removed
+with it), so that bad input, which fails before that (exit 2), leaves nothing behind.
+An earlier run in it is never silently replaced: it is resumed from its newest
+checkpoint (``--resume auto``), or refused unless ``--overwrite``. An earlier attempt of
+this same run (its id in ``run_id``) that saved no checkpoint is not another run: it is
+trained again from step 0. Process 0 writes; every process reads the same shared
+directory.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxdist.checkpoint.io_errors import storage_error
 from jaxdist.errors import ConfigError, JaxdistError
 
 CHECKPOINTS = "checkpoints"
@@ -51,16 +53,17 @@ def run_dir_path(given: str, model_name: str, strategy: str) -> Path:
     return Path("runs") / f"{name}-{strategy}-{dir_id}"
 
 
-def _agreed(text: str) -> str:
-    """Process 0's ``text``, on every process (each would read its own clock)."""
+def _agreed(text: str, size: int = 256) -> str:
+    """Process 0's ``text`` (its first ``size`` bytes), on every process (each would read
+    its own clock)."""
     import jax
 
     if jax.process_count() == 1:
         return text
     from jax.experimental import multihost_utils
 
-    padded = np.zeros(256, np.uint8)
-    raw = text.encode()[:256]
+    padded = np.zeros(size, np.uint8)
+    raw = text.encode()[:size]
     padded[: len(raw)] = np.frombuffer(raw, np.uint8)
     agreed = np.asarray(multihost_utils.broadcast_one_to_all(padded))
     return bytes(agreed.astype(np.uint8)).rstrip(b"\0").decode()
@@ -177,7 +180,10 @@ def create(
             keep = [r for r in read_metrics(metrics) if r.get("step", 0) <= resumed_step]
             metrics.write_text("".join(json.dumps(r) + "\n" for r in keep))
         write_config(run_dir / "config.yaml")
-    except OSError as err:  # checked at setup: something changed since
+    except OSError as err:  # checked at setup: something changed since (a full disk)
+        named = storage_error(err, "write the run directory", run_dir)
+        if named is not None:
+            raise named from None
         raise JaxdistError(f"--run-dir {run_dir}: cannot write the run directory: {err}") from None
     return metrics
 

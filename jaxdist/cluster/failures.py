@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 OK = 0
 FAILED = 1  # training failed: a non-finite loss (--nan-policy halt) or an unexpected error
 BAD_INPUT = 2  # a config value, a model, data or a checkpoint that cannot be used
+STORAGE = 74  # the run directory could not be written: no space, quota, read-only (EX_IOERR)
 PREEMPTED = 75  # stopped on SIGUSR1/SIGTERM after saving a checkpoint (EX_TEMPFAIL)
 PEER_DIED = 76  # another process of the group died, never joined, or its host is gone
 HANG = 77  # a step or phase did not complete within its deadline (hang-report.txt)
@@ -33,6 +35,7 @@ CODES = {
     "error": FAILED,
     "bad_input": BAD_INPUT,
     "corrupt_checkpoint": BAD_INPUT,
+    "storage": STORAGE,
     "preempted": PREEMPTED,
     "dead_peer": PEER_DIED,
     "hang": HANG,
@@ -46,7 +49,8 @@ FILE = "failures.jsonl"
 def requeues(code: int) -> bool:
     """Whether a job that ended with ``code`` can succeed when run again: a stop with a
     checkpoint, a dead process, a hang, or a task killed by a signal (a lost node, the OOM
-    killer). Never 1, 2, 78 or 79: they would fail the same way again."""
+    killer). Never 1, 2, 74, 78 or 79: they would fail the same way again (74: a full
+    disk stays full until a person frees it)."""
     return code in REQUEUE or code >= 128
 
 
@@ -74,7 +78,8 @@ class Failure:
 def record(run_dir: Path | None, failure: Failure) -> None:
     """Appends ``failure`` to ``RUN_DIR/failures.jsonl``, making the directory if need be,
     except for bad input: a run refused before its first step leaves nothing behind.
-    Never raises: it runs on the way out of a failing process."""
+    Where it cannot be written (the disk that failed the run is full), the record goes to
+    stderr instead. Never raises: it runs on the way out of a failing process."""
     if run_dir is None:
         return
     if failure.cause == "bad_input" and not Path(run_dir).is_dir():
@@ -89,8 +94,10 @@ def record(run_dir: Path | None, failure: Failure) -> None:
             out.write(json.dumps(values) + "\n")
             out.flush()
             os.fsync(out.fileno())
-    except OSError:
-        pass
+    except OSError as err:
+        where = Path(run_dir) / FILE
+        print(f"jaxdist: {where} cannot be written ({err.strerror}); its record: "
+              f"{json.dumps(values)}", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def read(run_dir: Path) -> list[dict]:

@@ -110,6 +110,11 @@ def exit_now(code: int) -> None:
         peers.exit_now(code)
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == failures.STORAGE:
+        # A save abandoned on a full disk leaves orbax's threads writing; an interpreter
+        # shutdown under them prints their errors (asyncio's closed loop, sys.meta_path is
+        # None) after jaxdist's one line. Nothing is left to flush: leave at once.
+        os._exit(code)
     peers.expect_exit(code)  # JAX's client aborting during a normal shutdown keeps it
     sys.exit(code)
 

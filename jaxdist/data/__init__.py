@@ -6,6 +6,7 @@ seam to global device arrays. ``python -m jaxdist.data prepare`` writes token fi
 """
 
 from jaxdist.data.arrays import NpzArrays
+from jaxdist.data.fingerprint import file_fingerprint
 from jaxdist.data.loader import Batch, DataSource, Prefetcher, eval_batches, host_batches
 from jaxdist.data.sampler import DistributedSampler, EvalSampler
 from jaxdist.data.text import (
@@ -41,6 +42,7 @@ __all__ = [
     "collect_files",
     "default_cache_dir",
     "eval_batches",
+    "file_fingerprint",
     "host_batches",
     "model_input",
     "prepare",

@@ -16,6 +16,7 @@ import sysconfig
 import threading
 import time
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 
 from jaxdist.cluster import failures, peers, store
@@ -25,6 +26,7 @@ STACKS = "jaxdist/health/stacks/"
 REPORTED = "jaxdist/health/reported"
 REPORT_FILE = "hang-report.txt"
 COLLECT_S = 5.0  # how long the reporter waits for the other processes' stacks
+WRITE_S = 5.0  # how long it waits for the run directory to take the report
 OWN_THREADS = ("jaxdist-watchdog", "jaxdist-kv")  # ours, always there: not shown
 
 
@@ -70,11 +72,10 @@ def report(watch: Watchdog, declared: dict, mine: dict, silent: dict[int, float]
     records = {i: p.record for i, p in watch.peers.items()}
     records[watch.index] = watch.record()
     culprit, why = name_culprit(records, stacks, silent)
+    if declared.get("writing"):  # a background write that never ends: name its path
+        why += f": {declared['writing']}; the file system does not answer"
     text = render(watch, declared, records, stacks, why, silent)
-    where = ""
-    if watch.run_dir is not None and watch.run_dir.is_dir():
-        (watch.run_dir / REPORT_FILE).write_text(text)
-        where = f"; report in {watch.run_dir / REPORT_FILE}"
+    where = _write_report(watch.run_dir, text)
     record = records.get(culprit, {})
     failure = failures.Failure(
         cause="hang",
@@ -85,12 +86,48 @@ def report(watch: Watchdog, declared: dict, mine: dict, silent: dict[int, float]
         detect_s=silent.get(culprit, record.get("in_phase_s")),
         reported_by=watch.index,
     )
-    failures.record(watch.run_dir, failure)
-    failures.tell_launcher(failure)
     print(f"jaxdist: error: hang: {why}{where}", file=sys.stderr, flush=True)
+    if not _bounded(lambda: failures.record(watch.run_dir, failure)):
+        print(f"jaxdist: failures.jsonl not written: {json.dumps(asdict(failure))}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    failures.tell_launcher(failure)
     if watch.count > 1:
         watch.kv(store.put, REPORTED, "1")
         time.sleep(min(1.0, watch.poll_s * 2))  # the others read it before the store goes
+
+
+def _write_report(run_dir: Path | None, text: str) -> str:
+    """Writes ``hang-report.txt`` unless the run directory's file system does not answer
+    within ``WRITE_S`` (the hang may be that file system): then the report goes to stderr.
+    Returns where it went, for the error line."""
+    if run_dir is None:
+        return ""
+    path, written = run_dir / REPORT_FILE, []
+
+    def write() -> None:
+        if run_dir.is_dir():  # none yet: a hang before the first step leaves no files
+            path.write_text(text)
+            written.append(path)
+
+    if not _bounded(write):
+        print(text, file=sys.stderr, flush=True)
+        return f"; {path} could not be written within {WRITE_S:g}s: the report is above"
+    return f"; report in {path}" if written else ""
+
+
+def _bounded(fn, seconds: float | None = None) -> bool:
+    """Runs ``fn`` on a daemon thread; whether it finished (without error) in time."""
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            fn()
+            done.set()
+        except Exception:  # noqa: BLE001 - a report that cannot be written is said so
+            pass
+
+    threading.Thread(target=run, name="jaxdist-report-write", daemon=True).start()
+    return done.wait(WRITE_S if seconds is None else seconds)
 
 
 def _collect(watch: Watchdog, expected: set[int]) -> dict[int, dict]:

@@ -87,6 +87,9 @@ class Watchdog:
         # (watchdog, declaration) -> never returns: jaxdist.health.hang_report.handle
         self.on_hang = on_hang
         self.run_dir: Path | None = None  # where the report goes, once known
+        # Background writes (a checkpoint, the sinks' files): () -> (phase, step, seconds,
+        # what) or None. A file system that stops answering blocks them, not the loop.
+        self.writers: list = []
         self.host, self.pid = hostname(), os.getpid()
         self.phase_name, self.phase_step, self.slow = "setup", 0, True
         self.since = time.monotonic()
@@ -176,6 +179,9 @@ class Watchdog:
             found = self.kv(store.try_get, HANG_KEY)
             if found:
                 return json.loads(found)
+        stalled = self._stalled_write(now)  # before the phase: it names the path
+        if stalled is not None:
+            return stalled
         overdue = now - self.since - self.deadline_s()
         if overdue > 0 and self.phase_name != "done":
             return self._declare(
@@ -205,6 +211,23 @@ class Watchdog:
                 f"{now - self.kv_stuck_since:.1f}s (process 0 frozen?)",
                 stuck_s=now - self.kv_stuck_since,
                 local_only=True,
+            )
+        return None
+
+    def _stalled_write(self, now: float) -> dict | None:
+        """A background write past the slow deadline (the checkpoint deadline): declared
+        as this process stuck in that write's phase, since its start."""
+        for probe in self.writers:
+            found = probe()
+            if found is None or found[2] <= self.deadlines.slow_s:
+                continue
+            phase, step, seconds, what = found
+            self.phase_name, self.phase_step, self.since = phase, step, now - seconds
+            return self._declare(
+                f"process {self.index} spent {seconds:.1f}s in phase {phase} of step {step}"
+                f" (deadline {self.deadlines.slow_s:g}s): {what}",
+                stuck_s=seconds,
+                writing=what,
             )
         return None
 

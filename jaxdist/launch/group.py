@@ -6,7 +6,8 @@ implementation behind ``python -m jaxdist.launch`` and ``jaxdist.spawn``.
   first rank to fail, by time, is the one reported.
 * Ending the group: SIGTERM to every rank's process group, SIGKILL after ``grace`` s.
   A rank that stopped for preemption (exit 75) first gives the others ``grace`` s to stop
-  at the same step by themselves.
+  at the same step by themselves. A stop signal to the launcher goes to every rank, which
+  get ``stop_grace`` s to save and exit (``jaxdist.launch.stop_signals``).
 * No orphans. Each rank leads its own process group (its children are signalled with
   it) and gets SIGKILL when the thread that started it dies (Linux ``PR_SET_PDEATHSIG``,
   ``kill -9`` of us included); a guard process SIGKILLs every rank's process group when
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxdist.cluster import failures
-from jaxdist.launch import orphans
+from jaxdist.launch import orphans, stop_signals
 from jaxdist.launch.rank_output import Output, forward
 
 KILL_WAIT_S = 5.0  # after SIGKILL: time for the kernel to tear the processes down
@@ -112,9 +113,11 @@ class Group:
     def __init__(self, command: list[str], nproc: int, out: Output, **env_options):
         self.out = out
         self.exits: queue.SimpleQueue[Exit] = queue.SimpleQueue()
+        self.done: list[Exit] = []  # every exit so far, in the order they happened
         self.procs: list[subprocess.Popen] = []
         self.threads: list[threading.Thread] = []
         self.empty: set[int] = set()  # process groups known to be empty: never signalled
+        self.ended = False
         self.guard = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", orphans.GUARD],
             stdin=subprocess.PIPE,
@@ -160,7 +163,8 @@ class Group:
             self.empty.add(proc.pid)
         except PermissionError:
             pass
-        self.exits.put(Exit(rank, proc.returncode))
+        self.done.append(Exit(rank, proc.returncode))
+        self.exits.put(self.done[-1])
 
     def _tell_guard(self, line: str) -> None:
         with contextlib.suppress(OSError, ValueError):  # a guard killed by someone else
@@ -200,16 +204,19 @@ class Group:
         ``at_once`` (a rank failed): SIGTERM twice. The trainer takes a first SIGTERM as a
         request to stop cleanly and save, which cannot succeed with a peer gone, and a
         second as "exit now" (``cluster.preemption``); 0.2 s apart, so that they do not merge
-        into one pending signal."""
-        self._signal(signal.SIGTERM)
+        into one pending signal. Once only: a stop signal's handling ends the group first."""
+        if self.ended:
+            return
+        self.ended = True
+        self.send(signal.SIGTERM)
         for proc in self.procs:  # a stopped (frozen) rank would take SIGTERM only once resumed
             if proc.poll() is None and _stopped(proc.pid):
                 with contextlib.suppress(OSError):
                     os.killpg(proc.pid, signal.SIGKILL)
         if at_once and not self.wait_exited(0.2):
-            self._signal(signal.SIGTERM)
+            self.send(signal.SIGTERM)
         self.wait_exited(grace)
-        self._signal(signal.SIGKILL)
+        self.send(signal.SIGKILL)
         self.wait_exited(KILL_WAIT_S)
         for thread in self.threads:
             thread.join(timeout=1)  # the last lines of output
@@ -227,7 +234,8 @@ class Group:
         told = failures.from_launcher_dir(Path(self.failure_dir))
         return failures.culprit_line(first.rank, told, stopped)
 
-    def _signal(self, sig: int) -> None:
+    def send(self, sig: int) -> None:
+        """``sig`` to every rank's process group (its children too)."""
         for proc in self.procs:
             if proc.pid not in self.empty:
                 with contextlib.suppress(OSError):  # the group is empty: nothing to end
@@ -246,11 +254,14 @@ def run(
     *,
     grace: float = 5.0,
     timeout: float | None = None,
+    stop_grace: float = stop_signals.STOP_GRACE_S,
     **env_options,
 ) -> Exit | None:
     """Runs the group to its end: None when every process exited 0, else the first
     failure, by time, once the others are ended. Ctrl-C (KeyboardInterrupt) and, after
-    ``timeout`` s, TimeoutError end them all and propagate."""
+    ``timeout`` s, TimeoutError end them all and propagate; a stop signal
+    (``stop_signals.StopRequested``) propagates once the group has stopped, with the
+    launcher's exit code."""
     group = Group(command, nproc, out, **env_options)
     first = None
     try:
@@ -264,6 +275,9 @@ def run(
             if culprit:
                 out.say(culprit)
         return first
+    except stop_signals.StopRequested as request:
+        request.code = stop_signals.stop(group, request, out, grace=grace, stop_grace=stop_grace)
+        raise
     except KeyboardInterrupt:
         out.say("interrupted: ending all processes")
         raise

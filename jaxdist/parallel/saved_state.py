@@ -133,6 +133,11 @@ class SavedState:
         for checkpointer in self._checkpointers.values():
             checkpointer.wait()
 
+    def in_flight(self) -> tuple[int, float, Path] | None:
+        """The longest-running save still being written: (step, seconds, directory)."""
+        found = [c.in_flight() for c in list(self._checkpointers.values())]
+        return max((f for f in found if f), key=lambda f: f[1], default=None)
+
 
 def split_layers(flat, arrays: dict) -> dict:
     """``arrays`` (host arrays named by the paths of ``flat``, ``nnx.to_flat_state`` of a

@@ -153,8 +153,7 @@ class Parallel:
         """Starts an asynchronous checkpoint of ``state`` as ``directory/<state.step>``
         (every process calls it; each writes its own shards); returns the seconds it
         blocked. ``extra``: JSON-able values kept with it (the trainer: data position,
-        config). The newest ``keep`` checkpoints are kept. ``wait_for_saves()`` before
-        exit. Example: ``dp.save(state, "ckpt", extra={"epoch": 3})``."""
+        config). The newest ``keep`` are kept. ``wait_for_saves()`` before exit."""
         state = packed.unpack(state)
         step = int(host_value(state.step).reshape(-1)[0])
         return self._saved.checkpointer(directory, keep).save(step, self._saved.named(state), extra)
@@ -173,13 +172,16 @@ class Parallel:
 
     @property
     def damaged_checkpoints(self) -> list[tuple[int, str]]:
-        """``(step, what is wrong)`` of each damaged checkpoint the last ``restore``
-        passed over for an older one."""
+        """``(step, what is wrong)`` of each checkpoint the last ``restore`` passed over."""
         return list(self._saved.skipped)
 
     def wait_for_saves(self) -> None:
-        """Blocks until every checkpoint started by ``save`` is complete on disk."""
+        """Blocks until every save is on disk; ``StorageError`` if one could not be."""
         self._saved.wait()
+
+    def save_in_flight(self):
+        """(step, seconds, directory) of the longest background write, or None."""
+        return self._saved.in_flight()
 
     def evaluate(self, state: TrainState, batch) -> dict[str, float]:
         """Sums of ``eval_fn``'s per-example values over the rows of a global batch whose

@@ -85,7 +85,9 @@ def _records(metrics: Path) -> list[dict]:
             record = json.loads(line)
         except ValueError:  # the last line of a run killed or still writing
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
+        if not isinstance(record, dict) or "event" in record:  # e.g. a resume on changed data
+            continue
+        if isinstance(record.get("step"), int):
             by_step[record["step"]] = record  # a resumed run's later record wins
     return [by_step[s] for s in sorted(by_step)]
 

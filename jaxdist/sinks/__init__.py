@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from pathlib import Path
 
+from jaxdist.checkpoint.io_errors import writing
 from jaxdist.sinks.events import (
     CheckpointSaved,
     Compiled,
@@ -36,11 +39,13 @@ class Sink:
     its trace before a step) says False."""
 
     background = True
+    path: Path | None = None  # the file or directory it writes: named when a write fails
 
     def handle(self, event: Event) -> None:
         method = getattr(self, "on_" + event.kind, None)
         if method is not None:
-            method(event)
+            with writing("write", self.path):  # a full disk: one StorageError, named
+                method(event)
 
     def close(self) -> None:
         """Flushes and releases files; called once, also after a failure."""
@@ -66,6 +71,7 @@ class Sinks:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None  # not yet raised on the loop's thread
         self._failed = False  # a sink failed: later events are dropped
+        self._busy: tuple[Event, float] | None = None  # the event being handled, since
         self._closed = False
         if later:
             self._queue = queue.SimpleQueue()
@@ -94,10 +100,17 @@ class Sinks:
             self._queue.put(None)  # after every event already queued
             self._thread.join()
             self._thread = None
+        first = None  # every sink closes, even after one failed
         for sink in self.sinks:
-            sink.close()
+            try:
+                with writing("write", sink.path):
+                    sink.close()
+            except Exception as err:  # noqa: BLE001 - raised below, unless already failing
+                first = first or err
         if not failing:
             self._raise_error()
+            if first is not None:
+                raise first
 
     def _later_handles(self, kind: str) -> bool:
         if kind not in self._handled:
@@ -108,11 +121,24 @@ class Sinks:
         while (event := self._queue.get()) is not None:
             if self._failed:
                 continue  # a sink failed: the loop is told at its next emit
+            self._busy = (event, time.monotonic())
             try:
                 for sink in self._later:
                     sink.handle(event)
             except BaseException as err:  # noqa: BLE001 - raised on the loop's thread
                 self._error, self._failed = err, True
+            self._busy = None
+
+    def in_flight(self) -> tuple[str, int, float, str] | None:
+        """The reporting thread's write in progress: ("log", step, seconds, what), or
+        None. Read by the watchdog: a file system that stops answering blocks it here."""
+        busy = self._busy
+        if busy is None:
+            return None
+        event, since = busy
+        paths = ", ".join(str(s.path) for s in self._later if s.path is not None)
+        what = f"the reporting thread is writing {event.kind} to {paths or 'its sinks'}"
+        return "log", getattr(event, "step", 0), time.monotonic() - since, what
 
     def _raise_error(self) -> None:
         if self._error is not None:

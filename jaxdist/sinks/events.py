@@ -7,7 +7,8 @@ so every sink that accounts for time (goodput, the summary) reads the same clock
 
 Order within a run: ``Started``; per step ``StepStarting``; after the first step
 ``Compiled``; at a logged step ``EvalMetrics`` (when it evaluates) then ``StepMetrics``;
-``CheckpointSaved`` and ``Resumed`` as they happen (``Resumed`` before the first step);
+``CheckpointSaved`` and ``Resumed`` as they happen (``Resumed``, and ``DataChanged`` if
+a resume trains on changed data, before the first step);
 ``Stopped`` last. ``Note`` is a line for people, any time.
 """
 
@@ -127,6 +128,31 @@ class Resumed(Event):
     kind: ClassVar[str] = "resumed"
     from_step: int
     earlier_last_step: int
+
+
+@dataclass(frozen=True)
+class DataChanged(Event):
+    """This attempt resumed at ``step`` on a data file (``role``: train or eval) whose
+    fingerprint differs from the checkpoint's, as ``--data-changed ok`` allows:
+    ``saved`` and ``found`` are ``{"path", "size", "blake2b"}`` (jaxdist.data.fingerprint).
+    Emitted with ``Resumed``; metrics.jsonl records it before the resumed steps."""
+
+    kind: ClassVar[str] = "data_changed"
+    step: int
+    role: str
+    saved: dict
+    found: dict
+
+    def record(self) -> dict:
+        """Its metrics.jsonl line: an ``event`` record, not a step's metrics."""
+        return {
+            "event": self.kind,
+            "step": self.step,
+            "role": self.role,
+            "file": self.found.get("path"),
+            "saved": self.saved,
+            "found": self.found,
+        }
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """``metrics.jsonl``: one strict-JSON record per logged step (NaN and infinities as
-null), opened at the first logged step, since the run directory is made only then."""
+null), opened at the first logged step, since the run directory is made only then; and
+an ``event`` record for a resume on changed data (``DataChanged``), before its steps."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jaxdist.sinks import Sink
-from jaxdist.sinks.events import StepMetrics
+from jaxdist.sinks.events import DataChanged, StepMetrics
 
 
 def json_line(record: dict) -> str:
@@ -28,11 +29,19 @@ class MetricsFile(Sink):
     def __init__(self, open_metrics: Callable[[], Path]):
         self.open_metrics: Callable[[], Path] | None = open_metrics
         self.file = None
+        self.pending: list[dict] = []  # event records that come before the file is opened
+
+    def on_data_changed(self, event: DataChanged) -> None:
+        self.pending.append(event.record())  # written with the first step's record
 
     def on_step_metrics(self, event: StepMetrics) -> None:
         if self.open_metrics is not None:  # the first step trained: now files may exist
-            self.file = open(self.open_metrics(), "a", buffering=1)  # noqa: SIM115
+            self.path = self.open_metrics()
+            self.file = open(self.path, "a", buffering=1)  # noqa: SIM115
             self.open_metrics = None
+        for record in self.pending:
+            self.file.write(json_line(record) + "\n")
+        self.pending.clear()
         self.file.write(json_line(event.values) + "\n")
 
     def close(self) -> None:

@@ -46,7 +46,7 @@ class TensorBoard(Sink):
     starts afresh: event files an earlier run left in ``log_dir`` are removed."""
 
     def __init__(self, log_dir: str | Path, flush_secs: float = 10.0):
-        self.log_dir = Path(log_dir)
+        self.log_dir = self.path = Path(log_dir)
         self.flush_secs = flush_secs
         self.writer: EventFileWriter | None = None
         self.resumed_from: int | None = None

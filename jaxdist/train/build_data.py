@@ -5,17 +5,18 @@ the synthetic teacher set for ``classify``); ``synthetic``; ``grammar``; a token
 (``.bin``, ``.npy``); an ``.npz`` of arrays; text files, folders or globs
 (comma-separated; tokenised at the byte level once, into the cache); or
 ``package.module:factory`` returning a ``DataSource``. Every source, train and held-out,
-is then checked on a sample of rows for ids or labels out of range (``data.checks``).
+is then checked on a sample of rows for ids or labels out of range (``data.checks``),
+and the files they read are fingerprinted (``data_files``: what a checkpoint records).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxdist.data import row_checks, text
+from jaxdist.data import fingerprint, row_checks, text
 from jaxdist.data.arrays import NpzArrays
 from jaxdist.data.loader import DataSource
 from jaxdist.data.synthetic import ByteWindows, TeacherClassification, grammar_corpus
@@ -33,6 +34,21 @@ class Data:
     description: str = ""
     # DataParallel's batch_check: per row, ids (lm) or labels (classify) in range
     row_check: Callable | None = None
+    # role ("train", "eval") -> the file its source reads; none for synthetic or a user's
+    files: dict[str, Path] = field(default_factory=dict)
+
+
+# The fingerprints of the files the last build of each data config read, by repr(config
+# .data): what resume.extra records and resume.start compares, which are handed the
+# config, not the sources. Taken once, when the sources open: what the run reads (an
+# .npz is held in memory, a token file mapped), not a later replacement at that path.
+_fingerprints: dict[str, dict[str, dict]] = {}
+
+
+def data_files(config: Config) -> dict[str, dict]:
+    """Role -> ``{"path", "size", "blake2b"}`` of each file the data of ``config`` read,
+    as ``build`` found them in this process ({} for synthetic data or before a build)."""
+    return dict(_fingerprints.get(repr(config.data), {}))
 
 
 def build(config: Config, task: str, progress: bool = True) -> Data:
@@ -48,6 +64,7 @@ def build(config: Config, task: str, progress: bool = True) -> Data:
         eval_name = config.data.eval_path and f"--eval-data {config.data.eval_path}"
         row_checks.check_source(data.eval, eval_name or f"--data {path} (held-out split)", bound)
     data.row_check = row_checks.batch_check(bound, data.train[[0]])
+    _fingerprints[repr(config.data)] = fingerprint.fingerprints(data.files)
     return data
 
 
@@ -112,7 +129,9 @@ def _token_files(config: Config, train: Path, eval_path: Path | None, name: str)
         TokenWindows(eval_path, seq_len, dtype=dtype, vocab_size=vocab) if eval_path else None
     )
     byte_level = windows.vocab_size == text.BYTE_VOCAB
-    return Data(windows, held_out, vocab, byte_level, f"{name} ({windows.num_tokens:,} tokens)")
+    description = f"{name} ({windows.num_tokens:,} tokens)"
+    files = {"train": train, **({"eval": eval_path} if eval_path else {})}
+    return Data(windows, held_out, vocab, byte_level, description, files=files)
 
 
 def _file_vocab(path: Path) -> int:
@@ -160,7 +179,8 @@ def _arrays(config: Config, path: str) -> Data:
                 f"--data: {name} has labels up to {arrays.num_classes - 1}; the model has "
                 f"{classes} classes: pass --num-classes {arrays.num_classes}"
             )
-    return Data(train, held_out, description=f"{path} ({len(train):,} examples)")
+    files = {"train": Path(path), **({"eval": Path(d.eval_path)} if d.eval_path else {})}
+    return Data(train, held_out, description=f"{path} ({len(train):,} examples)", files=files)
 
 
 def _user(ref: str, config: Config, task: str) -> Data:

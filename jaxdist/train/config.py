@@ -124,6 +124,12 @@ class TrainConfig:
     # (SIGUSR1/SIGTERM); 0: only at the end and on preemption
     checkpoint_every: int = 500
     keep: int = 3  # the newest checkpoints kept
+    # a checkpoint that cannot be written (no space, quota, read-only, ...): stop (exit 74)
+    # or continue training and try again at the next one (the final one must succeed)
+    checkpoint_failures: Literal["stop", "continue"] = "stop"
+    # a resume whose data files differ from the checkpoint's (size, sampled content):
+    # stop (exit 2), or ok (trains on, said in the log and in metrics.jsonl)
+    data_changed: Literal["stop", "ok"] = "stop"
     # auto: continue from the newest good checkpoint in the run dir; never: refuse a run
     # dir that has checkpoints
     resume: Literal["auto", "never"] = "auto"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 
+from jaxdist.checkpoint import io_errors
 from jaxdist.checkpoint.checkpointer import CorruptCheckpointError
 from jaxdist.cluster import failures
 from jaxdist.cluster.preemption import Preempted
@@ -27,6 +28,7 @@ ENDINGS = (
     (MismatchError, "mismatch", True),
     (ReplicaDivergenceError, "replica_divergence", True),
     (CorruptCheckpointError, "corrupt_checkpoint", True),
+    (io_errors.StorageError, "storage", True),
     (JaxdistError, "bad_input", True),
     (NonFiniteError, "nonfinite", True),
     (Preempted, "preempted", False),
@@ -50,6 +52,13 @@ def run(train_fn, argv: list[str] | None, clock_start: float) -> int:
     try:
         train_fn(config_lib.parse_args(argv), clock_start=clock_start)
     except Exception as err:
+        # a write that failed outside jaxdist's own guards (a sink, a user's callback)
+        named = io_errors.storage_error(err)
+        if named is not None:
+            named.run_dir, named.step = getattr(err, "run_dir", None), getattr(err, "step", None)
+            err = named
+        if isinstance(err, io_errors.StorageError):
+            err = io_errors.say_newest(err, getattr(err, "run_dir", None))
         for kind, cause, is_error in ENDINGS:
             if isinstance(err, kind):
                 return end(cause, err, is_error)

@@ -15,6 +15,8 @@ import jaxdist
 from jaxdist import data as data_lib
 from jaxdist import flops as flops_lib
 from jaxdist.checkpoint import run_directory
+from jaxdist.checkpoint.io_errors import StorageError
+from jaxdist.cluster import failures
 from jaxdist.cluster.preemption import StopFlag
 from jaxdist.losses import eval_metrics
 from jaxdist.sinks import Sinks
@@ -168,13 +170,42 @@ def save(run: Run, state, step: int, sinks: Sinks, *, wait: bool, checked_s: flo
     run.health.watch.phase("save", step)
     with run.stop.busy():
         checkpoints = run.run_dir / run_directory.CHECKPOINTS
-        run.dp.save(state, checkpoints, extra=extra, keep=run.config.train.keep)
-        if wait:
-            run.dp.wait_for_saves()
+        for _ in range(2):  # again if what failed was an earlier checkpoint's write
+            try:
+                run.dp.save(state, checkpoints, extra=extra, keep=run.config.train.keep)
+                if wait:
+                    run.dp.wait_for_saves()
+                break
+            except StorageError as err:
+                saving_failed(run, err, last=wait and err.step == step)
+                if err.step == step:
+                    break
     run.saves += 1
     blocked_s = time.perf_counter() - started
     sinks.emit(CheckpointSaved(step, blocked_s=blocked_s))
     return blocked_s
+
+
+def saving_failed(run: Run, err: StorageError, *, last: bool) -> None:
+    """A checkpoint that could not be written ends the run (exit 74), naming the newest
+    complete one, which is untouched; with ``--checkpoint-failures continue`` training
+    goes on (said, and recorded in failures.jsonl) unless it was the last checkpoint."""
+    if run.config.train.checkpoint_failures == "stop" or last:
+        raise err  # the command names the newest complete checkpoint (ending.py)
+    steps = run_directory.checkpoint_steps(run.run_dir)
+    newest = f"step {steps[0]}" if steps else "none"
+    message = (
+        f"{err}; training goes on (--checkpoint-failures continue); the newest complete "
+        f"checkpoint: {newest}"
+    )
+    jaxdist.print_main(f"jaxdist: warning: {message}")
+    if jaxdist.is_main_process():
+        failures.record(
+            run.run_dir,
+            failures.Failure(
+                "storage", message, step=err.step, host=failures.hostname(), recovered=True
+            ),  # fmt: skip
+        )
 
 
 def check(run: Run, step: int, metrics) -> None:

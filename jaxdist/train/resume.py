@@ -6,16 +6,19 @@ fast. The state itself is saved and restored by ``Parallel.save`` / ``Parallel.r
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
 
 import jaxdist
-from jaxdist.checkpoint import run_directory
+from jaxdist.checkpoint import lock, run_directory
 from jaxdist.cluster import failures
+from jaxdist.data import fingerprint
 from jaxdist.data.text import default_cache_dir
+from jaxdist.errors import JaxdistError
 from jaxdist.sinks.goodput import earlier_last_step
+from jaxdist.train import build_data
 from jaxdist.train import config as config_lib
 from jaxdist.train.config import Config, ConfigError
 from jaxdist.train.optim import effective_lr
@@ -28,6 +31,9 @@ class Start:
     state: jaxdist.TrainState
     step: int  # optimizer steps already taken (0: a fresh or restarted run)
     earlier_last_step: int  # the last step earlier attempts reached (resumed or restarted)
+    # (role, the checkpoint's fingerprint, this run's) of each data file that differs,
+    # trained on as --data-changed ok allows: announced in the log and metrics.jsonl
+    data_changed: list[tuple[str, dict, dict]] = field(default_factory=list)
 
 
 def use_compile_cache(setting: str, platform: str = "") -> Path | None:
@@ -55,16 +61,23 @@ def use_compile_cache(setting: str, platform: str = "") -> Path | None:
 
 
 def prepare_run_dir(config: Config, write: bool) -> tuple[Path | None, run_directory.Plan]:
-    """The run directory (None: ``write=False``) and whether to resume from it. Every
-    process checks; process 0 clears an earlier run on ``--overwrite``, then all wait."""
+    """The run directory (None: ``write=False``) and whether to resume from it. Process 0
+    locks it (a second run on it exits 2: ``jaxdist.checkpoint.lock``; the caller
+    releases it); every process checks; process 0 clears an earlier run on
+    ``--overwrite``, then all wait."""
     if not write:
         return None, run_directory.Plan(resume=False, clear=False)
     cfg = config.train
     run_dir = run_directory.run_dir_path(cfg.run_dir, config.model.name, cfg.strategy)
-    plan = run_directory.plan(run_dir, cfg.resume, cfg.overwrite)
-    if plan.clear and jaxdist.is_main_process():
-        run_directory.clear(run_dir)
-    jaxdist.barrier("jaxdist-run-dir")
+    lock.take(run_dir)  # before it is read or cleared: a live run's files are not touched
+    try:
+        plan = run_directory.plan(run_dir, cfg.resume, cfg.overwrite)
+        if plan.clear and jaxdist.is_main_process():
+            run_directory.clear(run_dir)  # RUN_FILES and run_id: the lock stays
+        jaxdist.barrier("jaxdist-run-dir")
+    except BaseException:
+        lock.release(run_dir)  # the caller has no run_dir yet to release
+        raise
     return run_dir, plan
 
 
@@ -83,7 +96,8 @@ def start(
     state, extra = restored
     step = int(jax.device_get(state.step).reshape(-1)[0])
     _say_what_changed(extra, config, step)
-    return Start(state, step, earlier_last_step(run_dir))
+    changed = _check_data(extra, config, step)
+    return Start(state, step, earlier_last_step(run_dir), changed)
 
 
 def _record_damaged(dp: jaxdist.Parallel, run_dir: Path) -> None:
@@ -111,7 +125,8 @@ def _restart(dp: jaxdist.Parallel, run_dir: Path) -> Start:
 
 def extra(config: Config, step: int, examples: int) -> dict:
     """What a checkpoint records besides the state: the data position (with the seed and
-    the global batch, the sampler's order is a function of the step) and the config."""
+    the global batch, the sampler's order is a function of the step), the fingerprint of
+    each data file (by role; {} for synthetic data: a resume checks them) and the config."""
     cfg = config.train
     return {
         "data": {
@@ -120,6 +135,7 @@ def extra(config: Config, step: int, examples: int) -> dict:
             "global_batch_size": cfg.global_batch_size,
             "examples": examples,
             "epoch": step * cfg.global_batch_size // examples,
+            "files": build_data.data_files(config),
         },
         "config": config_lib.to_dict(config),
     }
@@ -141,6 +157,55 @@ def _say_what_changed(extra: dict, config: Config, step: int) -> None:
         notes.append(f"--seed {cfg.seed} differs from the checkpoint's {saved['seed']}")
     for note in notes:
         jaxdist.print_main(f"jaxdist: note: resuming at step {step}: {note}")
+
+
+def _check_data(extra: dict, config: Config, step: int) -> list[tuple[str, dict, dict]]:
+    """The data files' fingerprints against the checkpoint's: a difference stops the run
+    (JaxdistError: exit 2) unless --data-changed ok, which trains on and says so. Every
+    process compares the same meta with the same files, so all stop alike."""
+    saved, found = extra.get("data", {}).get("files"), build_data.data_files(config)
+    if saved is None:  # a checkpoint of a jaxdist before fingerprints (or not the trainer's)
+        if found and "data" in extra:
+            jaxdist.print_main(
+                f"jaxdist: note: resuming at step {step}: the checkpoint records no data "
+                "fingerprints (an older jaxdist's): the data files are not checked"
+            )
+        return []
+    changed = fingerprint.differences(saved, found)
+    if changed and config.train.data_changed == "stop":
+        role, before, now = changed[0]
+        raise JaxdistError(
+            f"{_data_name(config, role, now)} is not the data the checkpoint of step {step} "
+            f"was trained on: it is {fingerprint.describe(now)}, the checkpoint recorded "
+            f"{fingerprint.describe(before)}{_of(before, now)}; resumed, the run would not "
+            "see the uninterrupted run's batches: restore the original file, or pass "
+            "--data-changed ok to train on the new data anyway"
+        )
+    for role, before, now in changed:
+        jaxdist.print_main(
+            f"jaxdist: note: resuming at step {step} on changed data (--data-changed ok): "
+            f"{_data_name(config, role, now)} is {fingerprint.describe(now)}, the checkpoint "
+            f"recorded {fingerprint.describe(before)}{_of(before, now)}"
+        )
+    return changed
+
+
+def _of(before: dict, now: dict) -> str:
+    """`` (of old/x.bin)``: the checkpoint's file, where it was another path."""
+    return "" if before["path"] == now["path"] else f" (of {before['path']})"
+
+
+def _data_name(config: Config, role: str, found: dict) -> str:
+    """How the command line names the source, ``--data x.bin`` or ``--eval-data y.bin``,
+    with the file read where that is another (text and stdlib: their tokenised cache)."""
+    d = config.data
+    if role == "eval" and d.eval_path:
+        name = d.eval_path
+    else:
+        name = (d.path or "stdlib") + (" (held-out split)" if role == "eval" else "")
+    flag = "--eval-data" if role == "eval" and d.eval_path else "--data"
+    same = Path(name) == Path(found["path"])
+    return f"{flag} {name}" + ("" if same else f" (read from {found['path']})")
 
 
 def _peak_lrs(extra: dict, config: Config) -> str:

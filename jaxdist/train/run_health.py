@@ -6,6 +6,8 @@ behaviour (for comparison: ``experiments/faults.py``), except the faults.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jaxdist
 from jaxdist.cluster import peers
 from jaxdist.health import agreement, hang_report
@@ -95,6 +97,12 @@ class RunHealth:
             self.watch.stop()
         peers.watch(None)
 
+    def watch_writes(self, dp: jaxdist.Parallel, sinks) -> None:
+        """The watchdog also watches the writes made in the background (a checkpoint, the
+        sinks' files): a stalled file system blocks them while the loop trains on."""
+        if isinstance(self.watch, Watchdog):
+            self.watch.writers = [partial(_checkpoint_write, dp), sinks.in_flight]
+
     def wants_check(self, step: int, *, saving: bool) -> bool:
         """Replicas are compared every ``--check-replicas-every`` steps, and before a
         checkpoint (``saving``); never with 0 or ``--no-health``."""
@@ -116,6 +124,14 @@ class RunHealth:
         if self._replicas is None:
             self._replicas = ReplicaCheck(dp)
         self._replicas.check(state.params, step)
+
+
+def _checkpoint_write(dp: jaxdist.Parallel):
+    found = dp.save_in_flight()
+    if found is None:
+        return None
+    step, seconds, path = found
+    return "save", step, seconds, f"checkpoint {step} is being written to {path}"
 
 
 class NullWatch:

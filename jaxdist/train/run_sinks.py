@@ -11,6 +11,7 @@ import jaxdist
 from jaxdist.checkpoint import run_directory
 from jaxdist.parallel.device_mesh import batch_shards
 from jaxdist.sinks import Note, Resumed, Sinks, Started
+from jaxdist.sinks.events import DataChanged
 from jaxdist.train import config as config_lib
 from jaxdist.train import config_checks
 from jaxdist.train.config import Config
@@ -76,6 +77,8 @@ def announce(run: Run, sinks) -> None:
     sinks.emit(Note(f"jaxdist: {run.health.describe()}"))
     if run.begin.step or run.begin.earlier_last_step:  # resumed, or restarted from step 0
         sinks.emit(Resumed(run.begin.step, earlier_last_step=run.begin.earlier_last_step))
+    for role, saved, found in run.begin.data_changed:  # --data-changed ok: on the record
+        sinks.emit(DataChanged(run.begin.step, role, saved, found))
     if run.begin.step:
         sinks.emit(Note(f"resumed from the checkpoint of step {run.begin.step} in {run_dir}"))
     sinks.emit(started(run.config, run))

@@ -16,7 +16,7 @@ import numpy as np
 
 import jaxdist
 from jaxdist import data as data_lib
-from jaxdist.checkpoint import run_directory
+from jaxdist.checkpoint import lock, run_directory
 from jaxdist.cluster import peers
 from jaxdist.cluster.preemption import Preempted, StopFlag
 from jaxdist.cluster.shutdown import exit_now
@@ -79,6 +79,7 @@ def setup(config: Config, write: bool = False) -> Run:
     stop = StopFlag()  # before data is prepared: a signal during set-up stops cleanly too
     health = RunHealth(config.dist, info)  # the watchdog watches set-up too
     print(f"[rank {info.process_index}] {info}", flush=True)  # one line per process
+    run_dir = None
     try:
         resume.use_compile_cache(cfg.compile_cache, info.platform)
         run_dir, plan = resume.prepare_run_dir(config, write)
@@ -89,6 +90,7 @@ def setup(config: Config, write: bool = False) -> Run:
             return _setup_run(config, info, stop, health, run_dir, plan)
     except BaseException:
         health.close(finished=False)  # this process goes on (a test, a notebook): unwatched
+        lock.release(run_dir)  # and the lock goes, with a directory made only to hold it
         raise
 
 
@@ -256,11 +258,13 @@ def train(
         return _run(run, config, quiet, clock_start)
     finally:
         gc.unfreeze()
+        lock.release(run.run_dir)  # the run ended (or stopped, or failed): the next may start
 
 
 def _run(run: Run, config: Config, quiet: bool, clock_start: float) -> Run:
     """The loop of a set-up run, its reporting and its ending."""
     sinks = make_sinks(config, run, quiet, clock_start)
+    run.health.watch_writes(run.dp, sinks)  # a stalled file system is a hang too
     announce(run, sinks)  # what runs where, the deadlines, a resume
     try:
         with ending.in_run_dir(run.run_dir):
@@ -274,6 +278,7 @@ def _run(run: Run, config: Config, quiet: bool, clock_start: float) -> Run:
         if multi and isinstance(err, Exception) and not isinstance(err, STEP_ERRORS):
             # A collective failed: a peer died. Name it and exit now; JAX's shutdown
             # barrier would otherwise wait a whole heartbeat timeout and then abort.
+            lock.release(run.run_dir)  # that exit skips every finally
             peers.on_collective_error(err)
         run.health.close(finished=False)
         raise
