@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import failures_of, metrics_of, run_module
 from jaxdist.checkpoint.run_directory import checkpoint_steps
-from tests.helpers import failures_of, metrics_of, run_module
 
 TESTS = Path(__file__).resolve().parent
 ARGS = ["--steps", "40", "--checkpoint-every", "5", "--keep", "10", "--log-every", "5"]
@@ -43,6 +43,19 @@ def tmpfs(where: Path, size: str):
         yield where
     finally:
         _run(["umount", "-l", str(where)])
+
+
+def train(args: list[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    """``python -m jaxdist.train args`` on the CPU, its output (both streams) read as it
+    comes."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxdist.train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})},
+    )
 
 
 def resize(where: Path, size: str) -> None:
@@ -95,14 +108,7 @@ def test_checkpoint_failures_continue_trains_on_and_saves_later(tmp_path):
         cmd = ["--steps", "40", "--checkpoint-every", "10", "--log-every", "10"]
         cmd += ["--loss", "slow_device:loss", "--run-dir", str(run_dir)]
         cmd += ["--checkpoint-failures", "continue"]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxdist.train", *cmd],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=tmp_path,
-            env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(TESTS), **env},
-        )
+        proc = train(cmd, tmp_path, {"PYTHONPATH": str(TESTS), **env})
         lines = []
         for line in proc.stdout:
             lines.append(line)
@@ -146,14 +152,7 @@ def test_a_stalled_file_system_is_reported_as_a_hang_naming_the_save(tmp_path):
         run_dir = mnt / "run"
         cmd = ["--steps", "100000", "--checkpoint-every", "10", "--log-every", "10"]
         cmd += ["--run-dir", str(run_dir), "--slow-phase-timeout", str(deadline_s)]
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxdist.train", *cmd],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=tmp_path,
-            env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        )
+        proc = train(cmd, tmp_path)
         lines, frozen_at, said_at = [], [], []
 
         def read() -> None:
