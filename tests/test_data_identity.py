@@ -180,14 +180,14 @@ def test_a_checkpoint_without_fingerprints_resumes_unchecked_with_a_note(tmp_pat
             "data": {"path": str(tmp_path / "train.npz")},
         }
     )
-    build_data.build(config, "classify", progress=False)
+    now = build_data.build(config, "classify", progress=False).fingerprints
     old = {"data": {"step": 4, "seed": 0, "global_batch_size": 16}}
-    assert resume._check_data(old, config, 4) == []
+    assert resume._check_data(old, config, 4, now) == []
     out = capsys.readouterr().out
     assert out.count("note: resuming at step 4: the checkpoint records no data fingerprints") == 1
-    now = build_data.data_files(config)["train"]
+    now = now["train"]
     before = {"path": "/elsewhere/train.npz", "size": now["size"] + 1, "blake2b": "0" * 32}
     with pytest.raises(
         JaxdistError, match=rf"recorded {now['size'] + 1:,} bytes, blake2b 0{{32}} \(of /elsewh"
     ):
-        resume._check_data({"data": {"files": {"train": before}}}, config, 4)
+        resume._check_data({"data": {"files": {"train": before}}}, config, 4, {"train": now})

@@ -6,7 +6,8 @@ the synthetic teacher set for ``classify``); ``synthetic``; ``grammar``; a token
 (comma-separated; tokenised at the byte level once, into the cache); or
 ``package.module:factory`` returning a ``DataSource``. Every source, train and held-out,
 is then checked on a sample of rows for ids or labels out of range (``data.checks``),
-and the files they read are fingerprinted (``data_files``: what a checkpoint records).
+and the files they read are fingerprinted (``Data.fingerprints``: what a checkpoint
+records).
 """
 
 from __future__ import annotations
@@ -36,19 +37,10 @@ class Data:
     row_check: Callable | None = None
     # role ("train", "eval") -> the file its source reads; none for synthetic or a user's
     files: dict[str, Path] = field(default_factory=dict)
-
-
-# The fingerprints of the files the last build of each data config read, by repr(config
-# .data): what resume.extra records and resume.start compares, which are handed the
-# config, not the sources. Taken once, when the sources open: what the run reads (an
-# .npz is held in memory, a token file mapped), not a later replacement at that path.
-_fingerprints: dict[str, dict[str, dict]] = {}
-
-
-def data_files(config: Config) -> dict[str, dict]:
-    """Role -> ``{"path", "size", "blake2b"}`` of each file the data of ``config`` read,
-    as ``build`` found them in this process ({} for synthetic data or before a build)."""
-    return dict(_fingerprints.get(repr(config.data), {}))
+    # role -> {"path", "size", "blake2b"} of those files, taken once when the sources
+    # open (what the run reads: an .npz held in memory, a token file mapped): what each
+    # checkpoint records and a resume compares (``jaxdist.train.resume``)
+    fingerprints: dict[str, dict] = field(default_factory=dict)
 
 
 def build(config: Config, task: str, progress: bool = True) -> Data:
@@ -64,7 +56,7 @@ def build(config: Config, task: str, progress: bool = True) -> Data:
         eval_name = config.data.eval_path and f"--eval-data {config.data.eval_path}"
         row_checks.check_source(data.eval, eval_name or f"--data {path} (held-out split)", bound)
     data.row_check = row_checks.batch_check(bound, data.train[[0]])
-    _fingerprints[repr(config.data)] = fingerprint.fingerprints(data.files)
+    data.fingerprints = fingerprint.fingerprints(data.files)
     return data
 
 

@@ -166,7 +166,7 @@ def save(run: Run, state, step: int, sinks: Sinks, *, wait: bool, checked_s: flo
     if run.run_dir is None:
         return 0.0
     started = time.perf_counter() - checked_s
-    extra = resume.extra(run.config, step, len(run.data.train))
+    extra = resume.extra(run.config, step, run.data)
     run.health.watch.phase("save", step)
     with run.stop.busy():
         checkpoints = run.run_dir / run_directory.CHECKPOINTS

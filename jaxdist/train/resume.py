@@ -82,9 +82,14 @@ def prepare_run_dir(config: Config, write: bool) -> tuple[Path | None, run_direc
 
 
 def start(
-    dp: jaxdist.Parallel, run_dir: Path | None, plan: run_directory.Plan, config: Config
+    dp: jaxdist.Parallel,
+    run_dir: Path | None,
+    plan: run_directory.Plan,
+    config: Config,
+    data: build_data.Data,
 ) -> Start:
-    """The initial state, or the newest good checkpoint's (resharded to this layout)."""
+    """The initial state, or the newest good checkpoint's (resharded to this layout),
+    its data files checked against ``data``'s."""
     if plan.restart:
         return _restart(dp, run_dir)
     if not plan.resume:
@@ -96,7 +101,7 @@ def start(
     state, extra = restored
     step = int(jax.device_get(state.step).reshape(-1)[0])
     _say_what_changed(extra, config, step)
-    changed = _check_data(extra, config, step)
+    changed = _check_data(extra, config, step, data.fingerprints)
     return Start(state, step, earlier_last_step(run_dir), changed)
 
 
@@ -123,11 +128,11 @@ def _restart(dp: jaxdist.Parallel, run_dir: Path) -> Start:
     return Start(dp.init_state(), 0, earlier)
 
 
-def extra(config: Config, step: int, examples: int) -> dict:
+def extra(config: Config, step: int, data: build_data.Data) -> dict:
     """What a checkpoint records besides the state: the data position (with the seed and
     the global batch, the sampler's order is a function of the step), the fingerprint of
     each data file (by role; {} for synthetic data: a resume checks them) and the config."""
-    cfg = config.train
+    cfg, examples = config.train, len(data.train)
     return {
         "data": {
             "step": step,
@@ -135,7 +140,7 @@ def extra(config: Config, step: int, examples: int) -> dict:
             "global_batch_size": cfg.global_batch_size,
             "examples": examples,
             "epoch": step * cfg.global_batch_size // examples,
-            "files": build_data.data_files(config),
+            "files": data.fingerprints,
         },
         "config": config_lib.to_dict(config),
     }
@@ -159,11 +164,13 @@ def _say_what_changed(extra: dict, config: Config, step: int) -> None:
         jaxdist.print_main(f"jaxdist: note: resuming at step {step}: {note}")
 
 
-def _check_data(extra: dict, config: Config, step: int) -> list[tuple[str, dict, dict]]:
+def _check_data(
+    extra: dict, config: Config, step: int, found: dict[str, dict]
+) -> list[tuple[str, dict, dict]]:
     """The data files' fingerprints against the checkpoint's: a difference stops the run
     (JaxdistError: exit 2) unless --data-changed ok, which trains on and says so. Every
     process compares the same meta with the same files, so all stop alike."""
-    saved, found = extra.get("data", {}).get("files"), build_data.data_files(config)
+    saved = extra.get("data", {}).get("files")  # found: this run's (Data.fingerprints)
     if saved is None:  # a checkpoint of a jaxdist before fingerprints (or not the trainer's)
         if found and "data" in extra:
             jaxdist.print_main(

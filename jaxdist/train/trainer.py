@@ -118,7 +118,7 @@ def _setup_run(config, info, stop, health, run_dir, plan) -> Run:
     health.agree_program(dp, global_batch_shapes(data, cfg.global_batch_size), run_dir)
     # The model is built inside jax.jit, or the newest good checkpoint restored into the
     # mesh's layout (from any layout or process count).
-    begin = resume.start(dp, run_dir, plan, config)
+    begin = resume.start(dp, run_dir, plan, config, data)
     # --- input: this process's rows of each global batch from the next step on
     sampler = jaxdist.DistributedSampler(  # this data-parallel rank's rows
         len(data.train),
