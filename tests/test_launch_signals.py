@@ -41,10 +41,8 @@ def logged(run_dir: Path, count: int):
     return lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= count
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
-def test_a_stop_signal_to_the_launcher_saves_exits_75_and_the_same_command_resumes(
-    tmp_path, launcher, sig
-):
+def test_sigterm_to_the_launcher_saves_exits_75_and_the_same_command_resumes(tmp_path, launcher):
+    sig = signal.SIGTERM  # SIGUSR1 takes the same path (the next test, with stand-in ranks)
     run_dir = tmp_path / "run"
     run = launcher(*train(run_dir))
     run.wait_for(logged(run_dir, 5), 120, "5 logged steps")
@@ -60,8 +58,6 @@ def test_a_stop_signal_to_the_launcher_saves_exits_75_and_the_same_command_resum
     saved = int(stops[0])
     assert checkpoint_steps(run_dir)[0] == saved < 30
     assert gone_within(pids, 5)
-    if sig == signal.SIGUSR1:  # resuming is the same for both: once is enough
-        return
     (tmp_path / "launch.log").rename(tmp_path / "stopped.log")
     again = launcher(*train(run_dir))
     assert again.proc.wait(timeout=120) == 0, again.text()[-3000:]
@@ -97,6 +93,16 @@ def job(tmp_path: Path, plan: dict[int, int | str]) -> list[str]:
 def started(run, tmp_path: Path, nproc: int = 2) -> set[int]:
     run.wait_for(lambda: len(list(tmp_path.glob("ready*"))) == nproc, 30, "every rank ready")
     return run.below()
+
+
+def test_sigusr1_to_the_launcher_is_forwarded_once_and_75_from_every_rank_is_75(tmp_path, launcher):
+    run = launcher("--nproc", "2", "--grace", "1", "--", *job(tmp_path, {0: 75, 1: 75}))
+    pids = started(run, tmp_path)
+    run.proc.send_signal(signal.SIGUSR1)
+    assert run.proc.wait(timeout=20) == 75, run.text()
+    assert run.text().count("got SIGUSR1") == 2, run.text()
+    assert last_line(run.text()) == f"[launch] stopped by SIGUSR1: {SAVED}", run.text()
+    assert gone_within(pids, 5), [pid for pid in pids if alive(pid)]
 
 
 def test_a_rank_that_does_not_stop_within_the_stop_grace_is_killed_exit_143(tmp_path, launcher):

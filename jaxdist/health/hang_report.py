@@ -52,9 +52,25 @@ def handle(watch: Watchdog, declared: dict) -> None:
 
 def frozen_peers(watch: Watchdog) -> dict[int, float]:
     """Peers whose beat has not moved for a while (seconds each), the store's host
-    (process 0) when the store does not answer. Read once, when the hang is declared."""
-    now = time.monotonic()
+    (process 0) when the store does not answer. Read when the hang is declared; a peer
+    already quiet for 2 polls but not yet for ``frozen_after_s`` (frozen just before a
+    deadline ran out: a 3 s step deadline, frozen at that step's start) is watched until
+    its beat moves or it has been quiet that long, so that it is told apart either way."""
     frozen_after_s = max(3.0, 4 * watch.poll_s)
+    deadline = time.monotonic() + frozen_after_s
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        undecided = [
+            p
+            for p in watch.peers.values()
+            if p.record.get("phase") != "done"
+            and 2 * watch.poll_s < p.silent_for(now) <= frozen_after_s
+        ]
+        if not undecided:
+            break
+        time.sleep(watch.poll_s / 2)
+        watch.read_peers()
+    now = time.monotonic()
     silent = {
         i: p.silent_for(now)
         for i, p in watch.peers.items()

@@ -173,7 +173,7 @@ class Watchdog:
 
     def _check(self) -> dict | None:
         self._publish()
-        self._read_peers()
+        self.read_peers()
         now = time.monotonic()
         if self.count > 1:
             found = self.kv(store.try_get, HANG_KEY)
@@ -246,7 +246,7 @@ class Watchdog:
         if self.count > 1:
             self.kv(store.put, f"{PROGRESS}{self.index}", json.dumps(self.record()))
 
-    def _read_peers(self) -> None:
+    def read_peers(self) -> None:
         if self.count == 1:
             return
         found = self.kv(store.get_dir, PROGRESS)
