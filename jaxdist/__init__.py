@@ -88,3 +88,13 @@ __all__ = [
     "step_key",
     "sum_over_replicas",
 ]
+
+
+def __getattr__(name: str):
+    """``jaxdist.plan(...)``: the planner, loaded on first use (a command built on the
+    trainer, jaxdist.plan; ``import jaxdist`` loads neither)."""
+    if name == "plan":
+        import importlib
+
+        return importlib.import_module("jaxdist.plan")
+    raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")

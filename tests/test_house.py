@@ -46,8 +46,13 @@ def imports_of(path: Path, top_level_only: bool = False) -> set[str]:
     return found
 
 
+# The commands built on the trainer's config: the trainer, and the planner (which
+# compiles the trainer's step for a cluster). The library imports neither.
+COMMAND_LINE = ("jaxdist.train", "jaxdist.plan")
+
+
 def in_train(name: str) -> bool:
-    return name == "jaxdist.train" or name.startswith("jaxdist.train.")
+    return any(name == c or name.startswith(c + ".") for c in COMMAND_LINE)
 
 
 def test_the_package_is_folders_with_a_stated_job():
@@ -155,6 +160,8 @@ DISTINCT = {
     ("run_directory", "run_health"): "the run's directory, and the run's health wiring",
     ("run_directory", "run_sinks"): "the run's directory, and the run's reporting wiring",
     ("run_health", "run_sinks"): "the trainer's health and reporting wiring",
+    ("replica_check", "replica_groups"): "health's check that data-parallel replicas agree, "
+    "and the planner's reader of XLA's replica groups",
 }
 
 

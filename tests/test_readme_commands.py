@@ -126,6 +126,9 @@ def test_block_runs_as_printed(commands, command_env, tmp_path):
             assert expected in printed, f"{said}\n--- expected the line\n{expected}"
         if command.expect is not None:
             check_failure(command, proc, work, before, said)
+        elif "--dry-run" in tokens:  # compiles and reports: no run directory, no data
+            assert runs_in(work) == before, f"{said}\na dry run made {runs_in(work) - before}"
+            assert "jaxdist: dry run:" in proc.stdout, said
         elif steps is not None:
             run_dir = flag(tokens, "--run-dir")
             if run_dir is None:

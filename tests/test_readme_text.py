@@ -17,7 +17,7 @@ def test_the_readme_opens_with_the_two_commands():
     first = [c.code for c in shell_commands([ROOT / "README.md"])[:2]]
     assert first == [
         "pip install -e . && python -m jaxdist.train --cpu-devices 8",
-        'pip install -e ".[test]" && pytest',
+        'pip install -e ".[test]" && python -m jaxdist.plan --install-gpu-compiler && pytest',
     ]
 
 

@@ -17,6 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import jax
+import numpy as np
+
 from jaxdist.data import fingerprint, row_checks, text
 from jaxdist.data.arrays import NpzArrays
 from jaxdist.data.loader import DataSource
@@ -41,6 +44,16 @@ class Data:
     # open (what the run reads: an .npz held in memory, a token file mapped): what each
     # checkpoint records and a resume compares (``jaxdist.train.resume``)
     fingerprints: dict[str, dict] = field(default_factory=dict)
+
+    def batch_shapes(self, global_batch_size: int) -> dict:
+        """The step's global batch as shapes and dtypes, e.g. {"tokens": (64, T + 1) int32}."""
+        example = self.train[np.arange(1)]
+        return {
+            name: jax.ShapeDtypeStruct(
+                (global_batch_size, *np.shape(x)[1:]), jax.dtypes.canonicalize_dtype(x.dtype)
+            )
+            for name, x in example.items()
+        }
 
 
 def build(config: Config, task: str, progress: bool = True) -> Data:
@@ -115,7 +128,7 @@ def _synthetic(config: Config, task: str) -> Data:
 
 def _token_files(config: Config, train: Path, eval_path: Path | None, name: str) -> Data:
     seq_len, dtype = config.model.seq_len, config.data.token_dtype
-    vocab = config.model.vocab_size or _file_vocab(train)
+    vocab = config.model.vocab_size or file_vocab(train)
     windows = TokenWindows(train, seq_len, dtype=dtype, vocab_size=vocab)
     held_out = (
         TokenWindows(eval_path, seq_len, dtype=dtype, vocab_size=vocab) if eval_path else None
@@ -126,7 +139,7 @@ def _token_files(config: Config, train: Path, eval_path: Path | None, name: str)
     return Data(windows, held_out, vocab, byte_level, description, files=files)
 
 
-def _file_vocab(path: Path) -> int:
+def file_vocab(path: Path) -> int:
     meta = read_sidecar(path) if path.is_file() else None
     if meta and meta.get("vocab_size"):
         return int(meta["vocab_size"])

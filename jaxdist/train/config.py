@@ -143,6 +143,9 @@ class TrainConfig:
     profile: str = ""
     profile_all_processes: bool = False  # every process traces (RUN_DIR/profile/process_N)
     peak_tflops: float = 0.0  # one device's peak, for MFU; 0: from the device table
+    # compile the step for the devices present and print its memory per device against
+    # their capacity and its FLOPs; exit 0 (fits) or 2 (does not); no data, no run dir
+    dry_run: bool = False
 
 
 @dataclass
@@ -228,6 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> Config:
     """CLI -> Config. Every error, argparse's included, is a ConfigError (``--help``
     still prints the help and exits 0)."""
+    return from_dict(parse_tree(argv))
+
+
+def parse_tree(argv: list[str] | None = None) -> dict[str, dict]:
+    """The settings the user gave (``--config`` YAML, then the flags over it) as a
+    nested dict, unchecked: what ``from_dict`` builds a Config from."""
     args = flags.parse(build_parser(), argv)
     tree: dict[str, dict] = {}
     if args.get("config"):
@@ -237,7 +246,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     for dotted, value in args.items():
         section, key = dotted.split(".", 1)
         tree.setdefault(section, {})[key] = value
-    return from_dict(tree)
+    return tree
 
 
 def load_yaml(path: Path) -> dict:

@@ -12,7 +12,6 @@ from functools import partial
 from pathlib import Path
 
 import jax
-import numpy as np
 
 import jaxdist
 from jaxdist import data as data_lib
@@ -115,7 +114,7 @@ def _setup_run(config, info, stop, health, run_dir, plan) -> Run:
     data = load_data(config, task, info)
     # --- model, loss, optimizer, and the data-parallel step, the same on every process
     dp = make_step(config, task, data, mesh, health.faults.wrap_loss)
-    health.agree_program(dp, global_batch_shapes(data, cfg.global_batch_size), run_dir)
+    health.agree_program(dp, data.batch_shapes(cfg.global_batch_size), run_dir)
     # The model is built inside jax.jit, or the newest good checkpoint restored into the
     # mesh's layout (from any layout or process count).
     begin = resume.start(dp, run_dir, plan, config, data)
@@ -149,13 +148,14 @@ def check_outputs(run_dir: Path | None, save_params: str) -> None:
         run_directory.check_writable(Path(save_params), "--save-params", is_dir=False)
 
 
-def make_mesh(cfg: config_lib.TrainConfig):
-    """``--mesh data=2,fsdp=2,model=2`` over all devices (or the first ``--num-devices``);
-    empty: every device on data. The product of the sizes must be the device count."""
+def make_mesh(cfg: config_lib.TrainConfig, devices=None):
+    """``--mesh data=2,fsdp=2,model=2`` over ``devices`` (default all; or the first
+    ``--num-devices``); empty: every device on data. The product must be their count."""
     sizes = parse_mesh(cfg.mesh)
+    devices = list(jax.devices() if devices is None else devices)
     if not sizes:
-        return jaxdist.make_mesh(data=cfg.num_devices or -1)
-    devices = jax.devices()[: cfg.num_devices] if cfg.num_devices else jax.devices()
+        return jaxdist.make_mesh(data=cfg.num_devices or -1, devices=devices)
+    devices = devices[: cfg.num_devices] if cfg.num_devices else devices
     mesh = jaxdist.make_mesh(**{"data": -1, **sizes}, devices=devices)
     if mesh.size != len(devices):
         raise ConfigError(
@@ -163,17 +163,6 @@ def make_mesh(cfg: config_lib.TrainConfig):
             "product of the axis sizes must be the device count"
         )
     return mesh
-
-
-def global_batch_shapes(data: build_data.Data, global_batch_size: int) -> dict:
-    """The step's global batch as shapes and dtypes, e.g. {"tokens": (64, T + 1) int32}."""
-    example = data.train[np.arange(1)]
-    return {
-        name: jax.ShapeDtypeStruct(
-            (global_batch_size, *np.shape(x)[1:]), jax.dtypes.canonicalize_dtype(x.dtype)
-        )
-        for name, x in example.items()
-    }
 
 
 def make_step(
@@ -291,7 +280,13 @@ def _run(run: Run, config: Config, quiet: bool, clock_start: float) -> Run:
 
 def main(argv: list[str] | None = None) -> int:
     """The command: its exit code (``jaxdist.cluster.failures``; ``jaxdist.train.ending``)."""
-    return ending.run(train, argv, clock_start=process_clock_start())
+    return ending.run(_command, argv, clock_start=process_clock_start())
+
+
+def _command(config: Config, clock_start: float):
+    from jaxdist.train.dry_run import dry_run  # it builds on this module: imported here
+
+    return dry_run(config) if config.train.dry_run else train(config, clock_start=clock_start)
 
 
 if __name__ == "__main__":

@@ -91,10 +91,19 @@ class PerReplica:
         layer runs, and again in the backward pass (ZeRO-3: one layer whole at a time);
         all_gather's transpose reduce-scatters each layer's gradient."""
 
-        def gathered(layer, h):
-            return apply(jax.tree.map(_gather_marked, layer, is_leaf=_is_variable), h)
+        # One checkpoint per layer: the block's remat policy (models.stack.BlockApply),
+        # and never the gathered layer. A block's own checkpoint inside this one would
+        # be overruled by it: every activation saved, whatever --remat says.
+        run = getattr(apply, "plain", apply)
+        keep = getattr(apply, "policy", jax.checkpoint_policies.everything_saveable)
+        never = jax.checkpoint_policies.save_anything_except_these_names(_GATHERED)
 
-        policy = jax.checkpoint_policies.save_anything_except_these_names(_GATHERED)
+        def policy(*args, **params):
+            return keep(*args, **params) and never(*args, **params)
+
+        def gathered(layer, h):
+            return run(jax.tree.map(_gather_marked, layer, is_leaf=_is_variable), h)
+
         return scan_layers(jax.checkpoint(gathered, policy=policy), stacked, x)
 
     def reduce(self, grads):

@@ -1,0 +1,98 @@
+"""``python -m jaxdist.plan --target 8x8:A100-80GB [--json] TRAINING FLAGS``: the table of
+candidate layouts and the command for the best that fits. Exit 0 with a plan whose best
+layout fits, 1 when none fits, 2 for bad input (the message names it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxdist.errors import JaxdistError
+from jaxdist.plan import gpu_compiler, table
+from jaxdist.plan.planner import Options, plan
+from jaxdist.train.flags import OneLineParser
+
+NONE_FITS = 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = OneLineParser(
+        prog="python -m jaxdist.plan",
+        description="Which layout fits a cluster and runs fastest, from the step compiled "
+        "for it. Every other flag is a training flag (python -m jaxdist.train --help).",
+    )
+    d = Options()
+    p.add_argument("--target", help="NODESxDEVICES:KIND (8x8:A100-80GB), KIND, cpu:N, or "
+                   "NxM:FILE.yaml; kinds: A100-80GB, A100-40GB, H100-80GB, H200, B200")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="the plan as JSON on stdout")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=d.budget_s,
+        help="no compile starts after this many seconds; 0: search everything",
+    )
+    p.add_argument("--workers", type=int, default=d.workers, help="compiling processes")
+    p.add_argument(
+        "--efficiency",
+        type=float,
+        default=d.efficiency,
+        help="share of the peak FLOP/s the step reaches (the estimate's)",
+    )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="estimate communication as hidden under compute (default: added)",
+    )
+    p.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=d.memory_fraction,
+        help="share of a device's memory the run may use "
+        "(the command sets XLA_PYTHON_CLIENT_MEM_FRACTION to it)",
+    )
+    p.add_argument("--candidate-timeout-s", type=float, default=d.candidate_timeout_s)
+    p.add_argument("--worker-memory-gib", type=float, default=d.worker_memory_gib)
+    p.add_argument("--install-gpu-compiler", action="store_true",
+                   help="install XLA's GPU compiler (JAX's CUDA plugin) for planning GPU "
+                   "targets on a machine without one, then exit")  # fmt: skip
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args, train_flags = parser().parse_known_args(argv)
+        if args.install_gpu_compiler:
+            gpu_compiler.install()
+            return 0
+        if not args.target:
+            raise JaxdistError("--target is required, e.g. --target 8x8:A100-80GB or cpu:8")
+        options = Options(
+            args.budget_s, args.workers, args.efficiency, args.overlap, args.memory_fraction,
+            args.candidate_timeout_s, args.worker_memory_gib,
+        )  # fmt: skip
+        result = plan(train_flags, args.target, options, progress=_progress())
+    except JaxdistError as err:
+        print(f"jaxdist: error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        print(table.render(result))
+    return 0 if result.best else NONE_FITS
+
+
+def _progress():
+    """One line on stderr, rewritten: ``[ 7/21] compiled fsdp=64 accum 16``."""
+    if not sys.stderr.isatty():
+        return lambda done, total, text: print(f"[{done}/{total}] {text}", file=sys.stderr)
+
+    def show(done: int, total: int, text: str) -> None:
+        end = "\n" if done == total else ""
+        print(f"\r[{done:>3}/{total}] compiled {text:<40}", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""``plan(train_flags, target)``: which layout of a training run fits a cluster and runs
+fastest, from the step compiled for each candidate layout on that cluster's devices,
+which need not be present.
+
+The search, in a time budget (default 50 s; 0: no limit): no compile starts that would
+end past it, judged by the longest of the last four.
+1. every mesh of the target (``candidates.meshes``), screened without compiling: a batch
+   that data x fsdp cannot split, or a state (params, optimizer state, one gradient)
+   that cannot fit even split ``fsdp x model x stage`` ways, is discarded;
+2. each mesh's floor: compiled with the most microbatches its rows allow (and, unless
+   ``--remat`` is given, ``--remat full``): the least memory that mesh can reach;
+3. for the meshes that fit, fastest first: the fewest microbatches that still fit
+   (a binary search), then lighter remat at that count.
+A layout the model's dimensions cannot split is discarded by the layout function's own
+error in its worker.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass, field
+
+from jaxdist.parallel.device_mesh import parse_mesh
+from jaxdist.plan import candidates as cands
+from jaxdist.plan import gpu_compiler
+from jaxdist.plan.estimate import EFFICIENCY, StepTime, step_time
+from jaxdist.plan.pool import Pool, environment
+from jaxdist.plan.table import train_command
+from jaxdist.plan.targets import Target, parse_target
+from jaxdist.train import compile_only
+from jaxdist.train import config as config_lib
+
+
+@dataclass
+class Options:
+    budget_s: float = 50.0  # no compile starts that would end after this; 0: no limit
+    workers: int = 2  # compiling processes (one per core is right)
+    efficiency: float = EFFICIENCY  # of the peak FLOP/s the step reaches
+    overlap: bool = False  # communication hidden under compute (else added to it)
+    memory_fraction: float = 0.9  # of the device's memory the run may use
+    candidate_timeout_s: float = 180.0
+    worker_memory_gib: float = 6.0
+
+
+@dataclass
+class Candidate:
+    layout: cands.Layout
+    phase: str  # "screen", "floor" (the mesh's least memory) or "refine"
+    # compiled, too big (screened), unsplittable, failed, timed out, worker memory, budget
+    status: str = "pending"
+    why: str = ""
+    measured: dict | None = None
+    time: StepTime | None = None
+    fits: bool = False
+    tree: dict = field(default_factory=dict, repr=False)  # the config the worker builds
+    options: list = field(default_factory=list, repr=False)  # floor: its grad_accum counts
+    refine: object = field(default=None, repr=False)  # refine: the search it belongs to
+    started: float = field(default=0.0, repr=False)  # time.perf_counter() when sent
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.measured["peak_bytes"] if self.measured else float("nan")
+
+
+@dataclass
+class Plan:
+    target: Target
+    capacity_bytes: float
+    options: Options
+    candidates: list[Candidate]
+    best: Candidate | None
+    command: str
+    state_bytes: float
+    elapsed_s: float
+    dtype: str
+
+    def to_json(self) -> dict:
+        def one(c: Candidate) -> dict:
+            return {
+                "mesh": c.layout.mesh, "grad_accum": c.layout.grad_accum,
+                "remat": c.layout.remat, "phase": c.phase, "status": c.status,
+                "fits": c.fits, "why": c.why, "measured": c.measured,
+                "time": dataclasses.asdict(c.time) if c.time else None,
+            }  # fmt: skip
+
+        return {
+            "target": str(self.target), "capacity_bytes": self.capacity_bytes,
+            "options": dataclasses.asdict(self.options), "state_bytes": self.state_bytes,
+            "elapsed_s": self.elapsed_s, "candidates": [one(c) for c in self.candidates],
+            "best": one(self.best) if self.best else None, "command": self.command,
+        }  # fmt: skip
+
+
+def plan(train_flags: list[str], target: str | Target, options: Options | None = None,
+         progress=None) -> Plan:  # fmt: skip
+    """``train_flags``: ``python -m jaxdist.train``'s flags (``--model gpt ...``); what
+    they set (``--mesh``, ``--grad-accum``, ``--remat``) is kept, the rest searched.
+    ``progress(done, total, text)`` is called as candidates finish."""
+    t0 = time.perf_counter()
+    options = options or Options()
+    target = parse_target(target) if isinstance(target, str) else target
+    tree = config_lib.parse_tree(train_flags)
+    base = config_lib.from_dict(tree)
+    capacity = target.kind.memory_bytes * options.memory_fraction
+    env = environment(target, gpu_compiler.python_path() if target.is_gpu else None)
+    with Pool(str(target), options.workers, env, options.candidate_timeout_s,
+              options.worker_memory_gib) as pool:  # fmt: skip
+        # while the workers start (importing JAX and Flax: seconds), the state's size
+        state_bytes, param_bytes = compile_only.state_bytes(base)
+        search = _Search(tree, base, target, capacity, state_bytes, param_bytes, options)
+        for task, result in pool.run(lambda: search.next_task(t0)):
+            search.record(task, result)
+            if progress:
+                progress(
+                    search.done, search.total, f"{task.layout.mesh} accum {task.layout.grad_accum}"
+                )
+    search.finish()
+    best = search.best()
+    gpt = base.model.name == "gpt"
+    fraction = options.memory_fraction
+    command = train_command(train_flags, best.layout, target, fraction, gpt) if best else ""
+    return Plan(target, capacity, options, search.all, best, command, state_bytes,
+                time.perf_counter() - t0, base.model.dtype)  # fmt: skip
+
+
+class _Search:
+    """The candidates, the queue of the ones to compile next, and each fitting mesh's
+    binary search for its fewest microbatches."""
+
+    def __init__(self, tree, base, target, capacity, state_bytes, param_bytes, options):
+        self.tree, self.base, self.target, self.options = tree, base, target, options
+        self.capacity, self.all, self.queue = capacity, [], []
+        train, model = tree.get("train", {}), tree.get("model", {})
+        self.fixed_accum = train.get("grad_accum")
+        gpt = base.model.name == "gpt"
+        self.fixed_remat = model.get("remat") if gpt else base.model.remat
+        fixed = {k: v for k, v in parse_mesh(base.train.mesh).items() if v != -1}
+        if base.train.strategy != "gspmd":  # pmap and shard_map take data only
+            fixed = {**fixed, "fsdp": 1, "model": 1, "stage": 1}
+        # A state that fits whole on every device with room to spare: data parallel
+        # first (the least communication); else the layouts that split it most.
+        replicated = (state_bytes + param_bytes) < capacity / 2
+        order = functools.partial(
+            cands.search_order, per_node=target.devices_per_node, param_bytes=param_bytes,
+            data_first=replicated,
+        )  # fmt: skip
+        for mesh in sorted(cands.meshes(target, fixed), key=order):
+            self._screen(mesh, state_bytes, param_bytes)
+        self.refining: list[_Refine] = []  # fitting meshes, best estimate first
+        self.done = 0
+        self.durations: list[float] = []  # seconds from a compile's start to its result
+
+    @property
+    def total(self) -> int:
+        return len([c for c in self.all if c.phase != "screen"])
+
+    def _screen(self, mesh: cands.Layout, state_bytes: float, param_bytes: float) -> None:
+        options = cands.accum_options(mesh, self.base.train.global_batch_size)
+        if self.fixed_accum:
+            options = [a for a in options if a == self.fixed_accum]
+        floor = cands.state_floor_bytes(mesh, state_bytes, param_bytes)
+        layout = mesh.with_(grad_accum=options[-1] if options else 1,
+                            remat=self.fixed_remat or "full")  # fmt: skip
+        if not options:
+            batch, shards = self.base.train.global_batch_size, mesh.data * mesh.fsdp
+            why = f"the batch does not divide: {batch} rows over data x fsdp = {shards}"
+            self._add(layout, "screen", "unsplittable", why)
+        elif floor > self.capacity:
+            why = (
+                f"the state and one gradient alone are {floor / 2**30:.1f} GiB per device "
+                f"({state_bytes / 2**30:.0f} + {param_bytes / 2**30:.0f} GiB / {mesh.shards})"
+            )
+            self._add(layout, "screen", "too big", why)  # fmt: skip
+        else:
+            self.queue.append(self._add(layout, "floor", "pending", "", options))
+
+    def _add(self, layout, phase, status, why, options=None) -> Candidate:
+        c = Candidate(layout, phase, status, why, tree=self._tree(layout), options=options or [])
+        self.all.append(c)
+        return c
+
+    def _tree(self, layout: cands.Layout) -> dict:
+        tree = copy.deepcopy(self.tree)
+        train = tree.setdefault("train", {})
+        train.update(mesh=layout.mesh, grad_accum=layout.grad_accum, num_devices=0)
+        train.pop("cpu_devices", None)
+        if self.base.model.name == "gpt":
+            tree.setdefault("model", {})["remat"] = layout.remat
+        return tree
+
+    def next_task(self, t0: float) -> Candidate | None:
+        """A probe of the fitting mesh with the best estimate first (refining the likely
+        winner matters more than the floors of unlikely ones), then the next floor."""
+        # no compile starts that would end past the budget (as long as the longest seen)
+        longest = max(self.durations[-4:], default=0.0)
+        if self.options.budget_s and time.perf_counter() - t0 + longest > self.options.budget_s:
+            return None
+        task = self._next_task()
+        if task is not None:
+            task.started = time.perf_counter()
+        return task
+
+    def _next_task(self) -> Candidate | None:
+        if self.refining and (probe := self._probe(self.refining[:1])):
+            return probe
+        if self.queue:
+            return self.queue.pop(0)
+        return self._probe(self.refining[1:])
+
+    def _probe(self, refining: list[_Refine]) -> Candidate | None:
+        for refine in refining:
+            layout = refine.next_probe()
+            if layout is not None:
+                c = self._add(layout, "refine", "pending", "")
+                c.refine = refine
+                return c
+        return None
+
+    def record(self, c: Candidate, result: dict) -> None:
+        self.done += 1
+        self.durations.append(time.perf_counter() - c.started)
+        c.status = result.pop("status")
+        c.why = result.pop("why", "")
+        if c.status == "compiled":
+            c.measured = result
+            c.fits = result["peak_bytes"] <= self.capacity
+            c.time = step_time(result["matmul_flops"], result["wire_bytes"], self.target.kind,
+                               self.base.model.dtype, self.options.efficiency,
+                               self.options.overlap)  # fmt: skip
+        if c.refine is not None:
+            c.refine.learn(c)
+        elif c.fits:  # a floor that fits: search it for fewer microbatches, lighter remat
+            remats = [] if self.fixed_remat else ["block", "none"]
+            self.refining.append(_Refine(c, remats))
+            self.refining.sort(key=lambda r: r.step_s)
+
+    def finish(self) -> None:
+        for c in self.all:
+            if c.status == "pending":
+                c.status, c.why = (
+                    "budget",
+                    f"not compiled: the {self.options.budget_s:.0f} s budget ran out",
+                )
+
+    def best(self) -> Candidate | None:
+        fitting = [c for c in self.all if c.fits and c.time]
+        return min(fitting, key=lambda c: (c.time.step_s, c.peak_bytes), default=None)
+
+
+class _Refine:
+    """One fitting mesh: the fewest microbatches that fit (memory falls as they grow),
+    then lighter remat at that count while it fits."""
+
+    def __init__(self, floor: Candidate, lighter_remats: list[str]):
+        self.options = floor.options
+        self.layout = floor.layout
+        self.lo, self.hi = -1, len(self.options) - 1  # options[hi] fits; [lo] does not
+        self.remats = list(lighter_remats)
+        self.busy = False
+        self.step_s = floor.time.step_s  # its best fitting estimate so far
+
+    def next_probe(self) -> cands.Layout | None:
+        if self.busy:
+            return None
+        if self.hi - self.lo > 1:
+            mid = (self.lo + self.hi) // 2
+            self.busy = True
+            return self.layout.with_(grad_accum=self.options[mid])
+        if self.remats:
+            self.busy = True
+            return self.layout.with_(grad_accum=self.options[self.hi], remat=self.remats[0])
+        return None
+
+    def learn(self, c: Candidate) -> None:
+        self.busy = False
+        if c.fits:
+            self.step_s = min(self.step_s, c.time.step_s)
+        if c.layout.remat != self.layout.remat:  # a lighter remat
+            self.remats.pop(0)
+            if c.fits:
+                self.layout = c.layout
+            else:
+                self.remats = []
+            return
+        index = self.options.index(c.layout.grad_accum)
+        if c.fits:
+            self.hi = index
+        else:
+            self.lo = index

@@ -1,0 +1,120 @@
+"""A plan as text: one row per candidate, the best layout's command, and what each
+column rests on."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxdist.plan.targets import Target
+
+if TYPE_CHECKING:  # the planner imports the trainer; a dry run needs only size()
+    from jaxdist.plan.planner import Candidate, Plan
+
+GiB = 2**30
+GPU_NOTE = (
+    "Kernels: XLA's own. cuDNN's flash attention (a GPU run's choice in bf16) cannot be "
+    "compiled without cuDNN's library: attention here is XLA's, its memory an upper bound"
+)
+ORDER = {"compiled": 0, "too big": 1, "unsplittable": 2, "failed": 3, "timed out": 3,
+         "worker memory": 3, "budget": 4}  # fmt: skip
+
+
+def render(plan: Plan) -> str:
+    kind, options = plan.target.kind, plan.options
+    peak = f"{kind.peak_flops[plan.dtype] / 1e12:,.3g}"
+    lines = [
+        f"Plan for {plan.target}: {plan.target.num_devices} devices, "
+        f"{size(plan.capacity_bytes)} usable each "
+        f"({options.memory_fraction:.0%} of {size(kind.memory_bytes)}); "
+        f"training state {size(plan.state_bytes)} in all",
+        f"Step time = matmul FLOPs at {peak} TFLOP/s x {options.efficiency:.0%}"
+        + (" (nominal: no datasheet for a CPU)" if kind.platform == "cpu" else "")
+        + f" {'overlapped with' if options.overlap else '+'} collectives at "
+        f"{kind.intra_node_bytes_per_s / 1e9:.0f} GB/s in a node, "
+        f"{kind.inter_node_bytes_per_s / 1e9:.0f} GB/s across nodes (per device, one way)",
+        "Per device and step: memory from the compiled program (peak = arguments + outputs + "
+        "temporaries - reuse), collective bytes by link from its replica groups, matmul FLOPs "
+        "with loops counted",
+        *([GPU_NOTE] if plan.target.is_gpu else []),
+        "",
+    ]
+    width = max(len(c.layout.mesh) for c in plan.candidates)
+    lines.append(_row(["mesh", "accum", "remat", "args", "temp", "peak", "fits", "in node",
+                       "across", "FLOPs", "step s", "note"], width))  # fmt: skip
+    for c in sorted(plan.candidates, key=_sort_key):
+        lines.append(_row(_cells(c, plan), width))
+    lines.append("")
+    compiled = sum(c.status == "compiled" for c in plan.candidates)
+    lines.append(f"{len(plan.candidates)} layouts, {compiled} compiled, in {plan.elapsed_s:.0f} s")
+    if plan.best:
+        b = plan.best
+        chosen = f"--mesh {b.layout.mesh} --grad-accum {b.layout.grad_accum}"
+        cost = f"{size(b.peak_bytes)}, ~{b.time.step_s:.3g} s a step"
+        lines += ["", f"Best that fits: {chosen} ({cost})", plan.command]
+    else:
+        lines += ["", "No layout fits: more devices, a smaller batch or model, or --remat full."]
+    return "\n".join(lines)
+
+
+def _sort_key(c: Candidate):
+    return (ORDER.get(c.status, 5), not c.fits, c.time.step_s if c.time else 0, c.layout)
+
+
+def _cells(c: Candidate, plan: Plan) -> list[str]:
+    layout = c.layout
+    head = [layout.mesh, str(layout.grad_accum), layout.remat]
+    if c.status != "compiled":
+        why = c.why.split("; ")[0]  # the layout function's first clause names the problem
+        return [*head, "", "", "", "no" if c.status == "too big" else "-", "", "", "", "",
+                f"{c.status}: {why}"]  # fmt: skip
+    m = c.measured
+    note = "" if not m["unknown_loops"] else f"{m['unknown_loops']} loop(s) counted once"
+    if m.get("microbatches"):
+        note = f"pipeline {m['microbatches']} microbatches " + note
+    return [
+        *head, size(m["argument_bytes"]), size(m["temp_bytes"]), size(m["peak_bytes"]),
+        "yes" if c.fits else "no",
+        size(m["collective_bytes"]["intra"]), size(m["collective_bytes"]["inter"]),
+        f"{m['matmul_flops']:.3g}",
+        f"{c.time.step_s:.3g}", note.strip(),
+    ]  # fmt: skip
+
+
+WIDTHS = [5, 5, 9, 9, 9, 4, 10, 10, 8, 7]  # after the mesh; the note last
+
+
+def _row(cells: list[str], mesh_width: int) -> str:
+    out = [cells[0].ljust(mesh_width)]
+    out += [cell.rjust(width) for cell, width in zip(cells[1:-1], WIDTHS, strict=True)]
+    return "  ".join([*out, cells[-1]]).rstrip()
+
+
+def size(n: float) -> str:
+    """Bytes in the unit that shows them: 67.1 GiB, 312.0 MiB, 4.0 KiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def train_command(train_flags, layout, target: Target, memory_fraction: float, gpt: bool) -> str:
+    """The user's flags with the plan's layout: ``python -m jaxdist.train ...``."""
+    kept, skip = [], {"--mesh", "--grad-accum", "--remat", "--cpu-devices", "--num-devices"}
+    flags = list(train_flags)
+    while flags:
+        flag = flags.pop(0)
+        name = flag.split("=", 1)[0]
+        if name in skip or name.replace("_", "-").removeprefix("--train.") in {s[2:] for s in skip}:
+            if "=" not in flag and flags and not flags[0].startswith("--"):
+                flags.pop(0)
+            continue
+        kept.append(flag)
+    layout_flags = ["--mesh", layout.mesh, "--grad-accum", str(layout.grad_accum)]
+    if gpt:
+        layout_flags += ["--remat", layout.remat]
+    prefix = ""
+    if target.is_gpu:
+        prefix = f"XLA_PYTHON_CLIENT_MEM_FRACTION={memory_fraction:.2f} "
+    elif target.kind.platform == "cpu":
+        layout_flags += ["--cpu-devices", str(target.num_devices)]
+    return prefix + " ".join(["python -m jaxdist.train", *kept, *layout_flags])
