@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import jax
 
-from helpers import run_cli
 from jaxdist.plan.table import size
 from jaxdist.train import compile_only
 from jaxdist.train import config as config_lib
@@ -31,14 +30,15 @@ def test_a_run_that_fits_prints_its_memory_and_writes_nothing(tmp_path, capsys):
     assert f"peak {size(peak)} of " in out
 
 
-def test_a_run_that_does_not_fit_exits_2(tmp_path):
+def test_a_run_that_does_not_fit_exits_2(tmp_path, capsys):
     """A 0.5B-parameter GPT replicated on 8 CPU devices: ~8 GB of state each, more than a
     device's share of the host (the machine's memory / 8)."""
     big = ["--model", "gpt", "--d-model", "2048", "--n-layers", "8", "--n-heads", "16"]
     big += ["--vocab-size", "50304", "--seq-len", "64", "--global-batch-size", "8"]
     run_dir = tmp_path / "run"
-    proc = run_cli("--cpu-devices", "8", *big, "--dry-run", "--run-dir", str(run_dir))
-    assert proc.returncode == 2, proc.stderr
-    assert "DOES NOT FIT" in proc.stdout
-    assert "--dry-run: the step needs" in proc.stderr and "python -m jaxdist.plan" in proc.stderr
+    code = main([*big, "--dry-run", "--run-dir", str(run_dir)])
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    assert "DOES NOT FIT" in out
+    assert "--dry-run: the step needs" in err and "python -m jaxdist.plan" in err
     assert not run_dir.exists()

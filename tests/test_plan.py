@@ -38,7 +38,7 @@ def gpu_compiler_ready() -> bool:
 def test_planned_memory_is_the_compiled_programs_own_on_8_devices():
     layout = ["--grad-accum", "2", "--remat", "block"]
     flags = [*GPT, "--mesh", "model=2,stage=1", *layout]  # data x fsdp = 4: three layouts
-    plan = jaxdist.plan(flags, "cpu:8", Options(budget_s=0))
+    plan = jaxdist.plan(flags, "cpu:8", Options(budget_s=0, workers=1))
     json.dumps(plan.to_json())  # for tools: plain JSON
     found = {c.layout.mesh: c for c in plan.candidates}
     assert len(found) == 3
@@ -85,7 +85,8 @@ def test_a_gpu_cluster_is_planned_without_a_gpu():
 
 def test_the_command_plans_and_its_printed_command_trains(tmp_path):
     layout = ["--mesh", "fsdp=8", "--grad-accum", "1", "--remat", "none"]
-    proc = run_module("jaxdist.plan", "--target", "cpu:8", *GPT, *layout, timeout=240)
+    proc = run_module("jaxdist.plan", "--target", "cpu:8", *GPT, *layout, "--workers", "1",
+                      timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "Best that fits: --mesh fsdp=8 --grad-accum 1" in proc.stdout
     assert "[1/1] fsdp=8 accum 1" in proc.stderr  # progress, one line per candidate

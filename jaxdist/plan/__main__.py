@@ -83,13 +83,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _progress():
-    """One line on stderr, rewritten: ``[ 7/21] compiled fsdp=64 accum 16``."""
+    """On a terminal one line on stderr, rewritten: ``[#####.....]  7/21 fsdp=64 accum
+    16`` (the total grows as fitting layouts are refined); else a line per candidate."""
     if not sys.stderr.isatty():
         return lambda done, total, text: print(f"[{done}/{total}] {text}", file=sys.stderr)
 
     def show(done: int, total: int, text: str) -> None:
+        filled = round(20 * done / max(total, 1))
+        bar = "#" * filled + "." * (20 - filled)
         end = "\n" if done == total else ""
-        print(f"\r[{done:>3}/{total}] compiled {text:<40}", end=end, file=sys.stderr, flush=True)
+        line = f"\r[{bar}] {done:>3}/{total} compiled {text:<40}"
+        print(line, end=end, file=sys.stderr, flush=True)
 
     return show
 

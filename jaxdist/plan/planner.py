@@ -108,9 +108,10 @@ def plan(train_flags: list[str], target: str | Target, options: Options | None =
     env = environment(target, gpu_compiler.python_path() if target.is_gpu else None)
     with Pool(str(target), options.workers, env, options.candidate_timeout_s,
               options.worker_memory_gib) as pool:  # fmt: skip
-        # while the workers start (importing JAX and Flax: seconds), the state's size
         state_bytes, param_bytes = compile_only.state_bytes(base)
         search = _Search(tree, base, target, capacity, state_bytes, param_bytes, options)
+        if search.queue:  # something to compile (none when every layout was screened out)
+            pool.start()
         for task, result in pool.run(lambda: search.next_task(t0)):
             search.record(task, result)
             if progress:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from jaxdist.errors import JaxdistError
 from jaxdist.plan.targets import Target
 
 POLL_S = 0.05
@@ -52,8 +53,12 @@ class Pool:
         self.workers: list[_Worker] = []
 
     def __enter__(self):
-        self.workers = [self._start() for _ in range(self.size)]
         return self
+
+    def start(self) -> None:
+        """Starts the workers (importing JAX takes them seconds: start them early)."""
+        if not self.workers:
+            self.workers = [self._start() for _ in range(self.size)]
 
     def __exit__(self, *exc):
         for w in self.workers:
@@ -71,6 +76,8 @@ class Pool:
     def run(self, next_task: Callable[[], object | None]) -> Iterator[tuple[object, dict]]:
         """``next_task()`` gives the next task, or None when there is none for now; the
         run ends when it gives None and no worker is busy."""
+        if not self.workers:
+            return
         while True:
             busy = False
             for i, w in enumerate(self.workers):
@@ -117,7 +124,7 @@ class Pool:
         _kill(w)
         if w.task is None:  # a worker that died between tasks (or at start)
             if not w.ready:
-                raise RuntimeError(f"a planner worker could not start: {why}")
+                raise JaxdistError(f"a planner worker could not start: {why}")
             w.ready = False
         return {"status": "worker died", "as": status, "why": why}
 
