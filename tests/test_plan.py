@@ -15,6 +15,7 @@ import pytest
 import jaxdist
 from helpers import run_module
 from jaxdist.plan import Options, gpu_compiler
+from jaxdist.plan.__main__ import main as plan_main
 from jaxdist.train import compile_only
 from jaxdist.train import config as config_lib
 
@@ -83,14 +84,14 @@ def test_a_gpu_cluster_is_planned_without_a_gpu():
     assert plan.command.startswith("XLA_PYTHON_CLIENT_MEM_FRACTION=0.90 python -m jaxdist.train")
 
 
-def test_the_command_plans_and_its_printed_command_trains(tmp_path):
+def test_the_command_plans_and_its_printed_command_trains(tmp_path, capsys):
     layout = ["--mesh", "fsdp=8", "--grad-accum", "1", "--remat", "none"]
-    proc = run_module("jaxdist.plan", "--target", "cpu:8", *GPT, *layout, "--workers", "1",
-                      timeout=240)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert "Best that fits: --mesh fsdp=8 --grad-accum 1" in proc.stdout
-    assert "[1/1] fsdp=8 accum 1" in proc.stderr  # progress, one line per candidate
-    command = proc.stdout.strip().splitlines()[-1]
+    code = plan_main(["--target", "cpu:8", *GPT, *layout, "--workers", "1"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "Best that fits: --mesh fsdp=8 --grad-accum 1" in out
+    assert "[1/1] fsdp=8 accum 1" in err  # progress, one line per candidate
+    command = out.strip().splitlines()[-1]
     argv = shlex.split(command)
     assert argv[:3] == ["python", "-m", "jaxdist.train"] and "--cpu-devices" in argv
     run = run_module(*argv[2:], "--steps", "2", "--run-dir", str(tmp_path / "run"))
@@ -98,13 +99,11 @@ def test_the_command_plans_and_its_printed_command_trains(tmp_path):
     assert (tmp_path / "run" / "metrics.jsonl").is_file()
 
 
-def test_exit_codes_none_fits_and_bad_input():
-    none = run_module("jaxdist.plan", "--target", "cpu:8", *GPT, "--memory-fraction", "1e-9",
-                      "--json")  # fmt: skip
-    assert none.returncode == 1, none.stderr
-    plan = json.loads(none.stdout)
+def test_exit_codes_none_fits_and_bad_input(capsys):
+    assert plan_main(["--target", "cpu:8", *GPT, "--memory-fraction", "1e-9", "--json"]) == 1
+    plan = json.loads(capsys.readouterr().out)
     assert plan["best"] is None and {c["status"] for c in plan["candidates"]} == {"too big"}
-    bad = run_module("jaxdist.plan", "--target", "8x8:Z100", *GPT)
+    bad = run_module("jaxdist.plan", "--target", "8x8:Z100", *GPT)  # the real command's exit
     assert bad.returncode == 2 and "unknown device kind 'Z100'" in bad.stderr
     assert bad.stdout == ""
 

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel.device_mesh import AXES, DATA, axis_size
+from jaxdist.parallel.zero import over_data
 
 FSDP = "fsdp"
 
@@ -65,10 +66,13 @@ class LayoutError(JaxdistError):
     pass
 
 
-def state_shardings(abstract_state, mesh: Mesh, rules=None, logical_rules=None):
+def state_shardings(
+    abstract_state, mesh: Mesh, rules=None, logical_rules=None, shard_optimizer=False
+):
     """The ``NamedSharding`` of every array of ``abstract_state`` (a ``TrainState``, or
     an ``nnx.State`` of parameters), as a tree that ``jax.jit``'s ``in_shardings`` and
-    ``out_shardings`` take (one sharding per Variable)."""
+    ``out_shardings`` take (one sharding per Variable). ``shard_optimizer``: the
+    optimizer state split over ``data`` too (``zero``, ZeRO-1)."""
     table = {**LOGICAL_RULES, **(logical_rules or {})}
     path_rules = [(re.compile(pattern), axes) for pattern, axes in (rules or [])]
     replicated = NamedSharding(mesh, P())
@@ -98,7 +102,7 @@ def state_shardings(abstract_state, mesh: Mesh, rules=None, logical_rules=None):
         for start in range(len(keys)):
             hit = by_path.get(keys[start:])
             if hit is not None and hit[0] == shape:
-                return hit[1]
+                return over_data(hit[1], shape) if shard_optimizer else hit[1]
         return replicated
 
     def everywhere(tree):
@@ -262,12 +266,15 @@ class Layout:
     copies: int = 0
     rules: tuple = ()  # the user's path rules (regex, axes)
     logical_rules: dict | None = None
+    shard_optimizer: bool = False  # the optimizer state split over data (ZeRO-1)
 
     def shardings(self, abstract_state):
         """The state's shardings: a tree for jit's in/out_shardings (or one for all)."""
         if self.copies:
             return NamedSharding(self.mesh, P(DATA))
-        return state_shardings(abstract_state, self.mesh, self.rules, self.logical_rules)
+        return state_shardings(
+            abstract_state, self.mesh, self.rules, self.logical_rules, self.shard_optimizer
+        )
 
     def expand(self, state):
         """One copy -> this layout; inside ``jax.jit`` with ``out_shardings``, so each

@@ -45,3 +45,12 @@ def abstract(tree, shardings):
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree
         )
     return jax.tree.map(lambda s, sub: abstract(sub, s), shardings, tree)
+
+
+def shapes_of(batch) -> tuple:
+    """A batch's shapes and dtypes, hashable: which program it runs."""
+    return tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch))
+
+
+def no_eval_fn(model, batch):
+    raise TypeError("DataParallel.evaluate needs DataParallel(..., eval_fn=...)")

@@ -70,6 +70,8 @@ class StepOptions:
     # how the model's layer stacks run (jaxdist.models.stack.runner): the pipeline's
     # GPipe schedule under a stage axis; None: a scan
     stack_runner: Callable | None = None
+    # grads -> the optimizer state's layout, split over data (zero, ZeRO)
+    shard_grads: Callable | None = None
 
 
 def split_microbatches(batch, k: int):
@@ -170,6 +172,7 @@ def make_train_step(
         )
         # Replicas agree on the global-batch gradient; running statistics are averaged too.
         loss, metrics, stats, grads = mean_over_replicas((loss, metrics, stats, grads), o.axis_name)
+        grads = o.shard_grads(grads) if o.shard_grads else grads
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         grad_norm, status = step_checks.grad_norm_and_health(loss, grads)

@@ -14,11 +14,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxdist.errors import ConfigError
-from jaxdist.parallel import bound_axes, layout, packed, step_checks, strategies
+from jaxdist.parallel import bound_axes, layout, packed, step_checks, strategies, zero
 from jaxdist.parallel.device_mesh import batch_shards, batch_spec, make_mesh
 from jaxdist.parallel.host import host_value, scalars
 from jaxdist.parallel.initial_state import ModelSource
-from jaxdist.parallel.program import StepProgram, abstract
+from jaxdist.parallel.program import StepProgram, abstract, no_eval_fn, shapes_of
 from jaxdist.parallel.saved_state import SavedState, split_layers
 from jaxdist.parallel.step import StepOptions, TrainState, make_eval_step, make_train_step
 from jaxdist.parallel.strategies import pipeline
@@ -58,6 +58,7 @@ class Parallel:
       rules, logical_rules: the layout's path rules and logical-axis table overrides
         (``jaxdist.parallel.layout.state_shardings``).
       microbatches: with a ``stage`` mesh axis, the GPipe schedule's (0: 4 per stage).
+      shard_optimizer: the optimizer state split over ``data`` (ZeRO-1; not under pmap).
 
     Example::
 
@@ -89,12 +90,13 @@ class Parallel:
         rules=None,
         logical_rules: dict | None = None,
         microbatches: int = 0,
+        shard_optimizer: bool = False,
     ):
         if nan_policy not in step_checks.POLICIES:
             raise ConfigError(f"nan_policy: {nan_policy!r} is not one of halt, skip")
         self.mesh = make_mesh() if mesh is None else mesh
         self.strategy = strategy
-        self.layout = strategies.layout(strategy, self.mesh, rules, logical_rules)
+        self.layout = strategies.layout(strategy, self.mesh, rules, logical_rules, shard_optimizer)
         self.nan_policy = nan_policy
         self.sync_batch_stats = sync_batch_stats
         self.axis_bindings: dict[str, str] = {}  # the model's axis names -> what they mean
@@ -106,7 +108,7 @@ class Parallel:
         self.pipeline = pipeline.plan(
             self.mesh, self._source.has_stack, self._source.stacked, microbatches
         )
-        self._loss_fn, self._eval_fn, self._tx = loss_fn, eval_fn or _no_eval_fn, optimizer
+        self._loss_fn, self._eval_fn, self._tx = loss_fn, eval_fn or no_eval_fn, optimizer
         self._options = StepOptions(grad_accum, seed, schedule, nan_policy, batch_check)
         self._wired: tuple | None = None  # on first use: needs the batch shapes
         self._on_new_shapes: Callable | None = None  # see on_new_batch_shapes
@@ -130,18 +132,18 @@ class Parallel:
         like a ``TrainState``: ``.params``, ``.step``; ``.unpack()``), which the next step
         passes to the device without flattening flax's Variables again."""
         program = self.program(batch)
-        if self._on_new_shapes is not None and _shapes(batch) not in self._batch_shapes:
-            self._batch_shapes.add(_shapes(batch))  # rare: a batch of new shapes
-            self._on_new_shapes(program, batch)
+        if self._on_new_shapes is not None and shapes_of(batch) not in self._batch_shapes:
+            self._batch_shapes.add(shapes_of(batch))  # rare: a batch of new shapes
+            self._on_newshapes_of(program, batch)
         return program(self._packed(state), batch)
 
-    def on_new_batch_shapes(self, callback: Callable, *, known=None) -> None:
+    def on_new_batchshapes_of(self, callback: Callable, *, known=None) -> None:
         """``callback(program, batch)`` runs before a step on batch shapes not seen
         before (the step compiles anew for them); ``known``: a batch whose shapes need no
         call. The trainer makes every process agree on the program there."""
         self._on_new_shapes = callback
         if known is not None:
-            self._batch_shapes.add(_shapes(known))
+            self._batch_shapes.add(shapes_of(known))
 
     def check(self, metrics, step: int) -> bool:
         """Reads the step's health (a few scalars): raises ``NonFiniteError`` (NaN or inf
@@ -228,8 +230,7 @@ class Parallel:
         return packed.pack_as(state, self._treedef)
 
     def _wire(self, batch) -> tuple[StepProgram, Callable]:
-        if self._wired is None:
-            self._wired = self._build_steps(batch)
+        self._wired = self._wired or self._build_steps(batch)
         return self._wired
 
     def _build_steps(self, batch) -> tuple[StepProgram, Callable]:
@@ -273,6 +274,9 @@ class Parallel:
         if not per_replica and self.strategy == "gspmd" and self.mesh.shape.get("fsdp", 1) > 1:
             use_params = layout.fsdp_use(self.state_sharding.params)
             options = dataclasses.replace(options, use_params=use_params)
+        if self.layout.shard_optimizer:  # the gradient split as the moments it updates
+            split = zero.grads_to(self.state_sharding.params, self._source)
+            options = dataclasses.replace(options, shard_grads=split)
 
         def build(replicas):  # both of a PackedState: a thin dispatch (jaxdist.parallel.packed)
             train_graphdef, eval_graphdef = self._source.train_graphdef, self._source.eval_graphdef
@@ -290,11 +294,3 @@ class Parallel:
 
 
 DataParallel = Parallel  # PyTorch's DDP-shaped name; one class, one code path
-
-
-def _shapes(batch) -> tuple:
-    return tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch))
-
-
-def _no_eval_fn(model, batch):
-    raise TypeError("DataParallel.evaluate needs DataParallel(..., eval_fn=...)")

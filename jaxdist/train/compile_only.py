@@ -107,7 +107,7 @@ def build(config: Config, devices) -> tuple:
     cannot divide) raise as in training."""
     cfg = config.train
     mesh = trainer.make_mesh(cfg, devices)
-    strategies.layout(cfg.strategy, mesh)
+    strategies.layout(cfg.strategy, mesh, shard_optimizer=cfg.shard_optimizer)
     trainer.check_batch(cfg.global_batch_size, batch_shards(mesh), cfg.grad_accum)
     task = model_task(config.model)
     data = shape_only_data(config, task)

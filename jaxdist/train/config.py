@@ -112,6 +112,9 @@ class TrainConfig:
     # pipeline (--mesh stage=S): microbatches of the GPipe schedule; 0 = auto: the largest
     # count <= 4 x S that divides the rows each pipeline replica holds per step
     microbatches: int = 0
+    # ZeRO-1: the optimizer state (AdamW's moments) split over data, parameters whole on
+    # every replica; the gradient reduce-scattered, the parameters all-gathered once a step
+    shard_optimizer: bool = False
     save_params: str = ""  # write the final params to this .npz (process 0)
     eval_every: int = 0  # run the held-out set every N steps and at the end; 0 = never
     eval_batch_size: int = 0  # global; 0 = global_batch_size

@@ -103,7 +103,7 @@ def _setup_run(config, info, stop, health, run_dir, plan) -> Run:
             f"device takes part; use all {info.device_count}"
         )
     mesh = make_mesh(cfg)
-    strategies.layout(cfg.strategy, mesh)  # pmap/shard_map refuse axes beyond data, now
+    strategies.layout(cfg.strategy, mesh, shard_optimizer=cfg.shard_optimizer)  # pmap's refusals
     shards = batch_shards(mesh)
     check_batch(cfg.global_batch_size, shards, cfg.grad_accum)
     if cfg.eval_every:
@@ -204,6 +204,7 @@ def make_step(
         rules=rules,
         logical_rules=logical_rules,
         microbatches=microbatches,
+        shard_optimizer=cfg.shard_optimizer,
     )
     if dp.pipeline and dp.pipeline.microbatches and why:  # the first log line says why
         dp.pipeline = dataclasses.replace(dp.pipeline, why=why)

@@ -35,8 +35,13 @@ def _module(name: str):
     return module
 
 
-def layout(name: str, mesh: Mesh, rules=(), logical_rules=None) -> Layout:
+def layout(name: str, mesh: Mesh, rules=(), logical_rules=None, shard_optimizer=False) -> Layout:
     _module(name)  # checks the name
+    if shard_optimizer and name == "pmap":
+        raise ConfigError(
+            "--shard-optimizer: pmap keeps one whole copy of the state per device; use "
+            "--strategy gspmd (or shard_map) to split the optimizer state over data"
+        )
     beyond_data = {a: n for a, n in mesh.shape.items() if a != DATA and n > 1}
     if beyond_data and name == "pmap":
         axes = ",".join(f"{a}={n}" for a, n in beyond_data.items())
@@ -46,7 +51,8 @@ def layout(name: str, mesh: Mesh, rules=(), logical_rules=None) -> Layout:
         )
     if name == "pmap":  # (N, ...): device d holds row d
         return Layout(mesh, copies=mesh.size)
-    return Layout(mesh, rules=tuple(rules or ()), logical_rules=logical_rules)
+    return Layout(mesh, rules=tuple(rules or ()), logical_rules=logical_rules,
+                  shard_optimizer=shard_optimizer)  # fmt: skip
 
 
 def wants_per_replica(name: str, mesh: Mesh, grad_accum: int, has_batch_stats: bool) -> bool:
