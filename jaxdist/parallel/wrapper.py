@@ -134,10 +134,10 @@ class Parallel:
         program = self.program(batch)
         if self._on_new_shapes is not None and shapes_of(batch) not in self._batch_shapes:
             self._batch_shapes.add(shapes_of(batch))  # rare: a batch of new shapes
-            self._on_newshapes_of(program, batch)
+            self._on_new_shapes(program, batch)
         return program(self._packed(state), batch)
 
-    def on_new_batchshapes_of(self, callback: Callable, *, known=None) -> None:
+    def on_new_batch_shapes(self, callback: Callable, *, known=None) -> None:
         """``callback(program, batch)`` runs before a step on batch shapes not seen
         before (the step compiles anew for them); ``known``: a batch whose shapes need no
         call. The trainer makes every process agree on the program there."""
