@@ -3,8 +3,6 @@ loss function. It builds the one pure step and wires it to devices by strategy."
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable
 
 import jax
@@ -14,15 +12,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxdist.errors import ConfigError
-from jaxdist.parallel import bound_axes, layout, packed, step_checks, strategies, zero
-from jaxdist.parallel.device_mesh import batch_shards, batch_spec, make_mesh
+from jaxdist.parallel import bound_axes, packed, step_checks, strategies, wiring
+from jaxdist.parallel.device_mesh import batch_spec, make_mesh
 from jaxdist.parallel.host import host_value, scalars
 from jaxdist.parallel.initial_state import ModelSource
 from jaxdist.parallel.program import StepProgram, abstract, no_eval_fn, shapes_of
 from jaxdist.parallel.saved_state import SavedState, split_layers
 from jaxdist.parallel.step import StepOptions, TrainState, make_eval_step, make_train_step
 from jaxdist.parallel.strategies import pipeline
-from jaxdist.parallel.strategies.shard_map import PerReplica
 
 
 class Parallel:
@@ -59,6 +56,8 @@ class Parallel:
         (``jaxdist.parallel.layout.state_shardings``).
       microbatches: with a ``stage`` mesh axis, the GPipe schedule's (0: 4 per stage).
       shard_optimizer: the optimizer state split over ``data`` (ZeRO-1; not under pmap).
+      pipeline_schedule, virtual_stages: gpipe, 1f1b, interleaved (V chunks per device).
+      offload: in host memory: any of optimizer, params, activations.
 
     Example::
 
@@ -91,6 +90,9 @@ class Parallel:
         logical_rules: dict | None = None,
         microbatches: int = 0,
         shard_optimizer: bool = False,
+        pipeline_schedule: str = "gpipe",
+        virtual_stages: int = 2,
+        offload: tuple[str, ...] = (),
     ):
         if nan_policy not in step_checks.POLICIES:
             raise ConfigError(f"nan_policy: {nan_policy!r} is not one of halt, skip")
@@ -106,8 +108,10 @@ class Parallel:
         self.graphdef = self._source.eval_graphdef  # merge() builds eval-mode models
         # The stage axis: a GPipe schedule over the model's Stack (None without stages).
         self.pipeline = pipeline.plan(
-            self.mesh, self._source.has_stack, self._source.stacked, microbatches
-        )
+            self.mesh, self._source.has_stack, self._source.stacked, microbatches,
+            schedule=pipeline_schedule, virtual_stages=virtual_stages,
+        )  # fmt: skip
+        self.offload = tuple(offload)
         self._loss_fn, self._eval_fn, self._tx = loss_fn, eval_fn or no_eval_fn, optimizer
         self._options = StepOptions(grad_accum, seed, schedule, nan_policy, batch_check)
         self._wired: tuple | None = None  # on first use: needs the batch shapes
@@ -253,30 +257,9 @@ class Parallel:
         if self.axis_bindings and jax.process_index() == 0:
             bound = "; ".join(f"{n!r} -> {what}" for n, what in self.axis_bindings.items())
             print(f"jaxdist: the model's axis names: {bound}", flush=True)
-        replicas = None
-        pipelined = bool(self.pipeline and self.pipeline.microbatches)
-        if per_replica:  # fsdp gathers a Stack's layers one at a time, unless pipelined
-            by_layer = None if pipelined else self._source.by_layer
-            replicas = PerReplica(self.mesh, self.state_sharding.params, axis_name, by_layer)
-            axis_name = replicas.axis
-        options = dataclasses.replace(
-            self._options, axis_name=axis_name, trivial_axes=tuple(trivial)
-        )
-        if replicas is not None and not pipelined and self._source.has_stack:
-            options = dataclasses.replace(options, stack_runner=replicas.layer_runner)
-        if pipelined:
-            rows = jax.tree.leaves(batch)[0].shape[0]
-            self.pipeline.check_rows(rows, batch_shards(self.mesh), self._options.grad_accum)
-            runner = functools.partial(
-                pipeline.gpipe, mesh=self.mesh, microbatches=self.pipeline.microbatches
-            )
-            options = dataclasses.replace(options, stack_runner=runner)
-        if not per_replica and self.strategy == "gspmd" and self.mesh.shape.get("fsdp", 1) > 1:
-            use_params = layout.fsdp_use(self.state_sharding.params)
-            options = dataclasses.replace(options, use_params=use_params)
-        if self.layout.shard_optimizer:  # the gradient split as the moments it updates
-            split = zero.grads_to(self.state_sharding.params, self._source)
-            options = dataclasses.replace(options, shard_grads=split)
+        replicas = wiring.replicas(self, per_replica, axis_name)
+        axis_name = replicas.axis if replicas is not None else axis_name
+        options = wiring.step_options(self, batch, replicas, axis_name, tuple(trivial))
 
         def build(replicas):  # both of a PackedState: a thin dispatch (jaxdist.parallel.packed)
             train_graphdef, eval_graphdef = self._source.train_graphdef, self._source.eval_graphdef

@@ -20,6 +20,7 @@ from jaxdist.data import text
 from jaxdist.errors import ConfigError
 from jaxdist.train import flags
 from jaxdist.train.config_checks import coerce, validate
+from jaxdist.train.yaml_file import load_yaml
 
 Strategy = Literal["pmap", "shard_map", "gspmd"]
 
@@ -61,6 +62,8 @@ class ModelConfig:
     # gpt: the loss and the tied head in this many slices of the sequence, each slice's
     # gradient formed at once, never the whole (B, T, vocab) logits; 0: the plain loss
     loss_chunks: int = 0
+    # attention over a `seq` mesh axis: gather the keys and values, or ring (ppermute)
+    seq_attention: Literal["gather", "ring"] = "ring"
 
 
 @dataclass
@@ -112,9 +115,15 @@ class TrainConfig:
     # pipeline (--mesh stage=S): microbatches of the GPipe schedule; 0 = auto: the largest
     # count <= 4 x S that divides the rows each pipeline replica holds per step
     microbatches: int = 0
-    # ZeRO-1: the optimizer state (AdamW's moments) split over data, parameters whole on
-    # every replica; the gradient reduce-scattered, the parameters all-gathered once a step
+    # gpipe (M microbatches' activations alive), 1f1b (at most S), interleaved (V layer
+    # chunks per device: bubble (S-1)/(V*M+S-1))
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "gpipe"
+    virtual_stages: int = 2  # interleaved: layer chunks per device (V)
+    # ZeRO-1: AdamW's moments split over data, parameters whole: the gradient
+    # reduce-scattered, the parameters all-gathered once a step
     shard_optimizer: bool = False
+    # in host memory, comma-separated: optimizer, params (fsdp's), activations (saved)
+    offload: str = ""
     save_params: str = ""  # write the final params to this .npz (process 0)
     eval_every: int = 0  # run the held-out set every N steps and at the end; 0 = never
     eval_batch_size: int = 0  # global; 0 = global_batch_size
@@ -250,36 +259,6 @@ def parse_tree(argv: list[str] | None = None) -> dict[str, dict]:
         section, key = dotted.split(".", 1)
         tree.setdefault(section, {})[key] = value
     return tree
-
-
-def load_yaml(path: Path) -> dict:
-    """The ``--config`` file as a mapping. Plain YAML only (``yaml.safe_load``: a
-    ``!!python/...`` tag is refused); any problem is one ConfigError naming the file and,
-    for bad YAML, the line, the column and the problem."""
-    if not path.is_file():
-        raise ConfigError(f"--config: no such file {path}")
-    try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise ConfigError(f"--config {path}: cannot read it: {err}") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"--config {path}: not UTF-8 text: {err}") from None
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--config {path}: {_yaml_problem(err)}") from None
-    if not isinstance(loaded, dict | None):
-        raise ConfigError(f"--config {path}: top level must be a mapping")
-    return loaded or {}
-
-
-def _yaml_problem(err: yaml.YAMLError) -> str:
-    """``line 3, column 7: mapping values are not allowed here``: YAML's own message
-    without its excerpt of the file."""
-    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
-    problem = getattr(err, "problem", None) or " ".join(str(err).split())
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-    if "tag:yaml.org,2002:python/" in problem:
-        problem += " (Python tags are not read: write plain values)"
-    return f"not valid YAML: {where}{problem}"
 
 
 def save(config: Config, path: Path) -> None:

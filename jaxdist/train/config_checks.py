@@ -56,6 +56,7 @@ SHARE = Bound(0, 1, high_open=True)  # a fraction that must leave something
 RANGES: dict[str, Bound] = {
     "model.in_features": at_least(1),
     "train.microbatches": at_least(0),
+    "train.virtual_stages": at_least(1),
     "model.hidden": at_least(1),
     "model.depth": at_least(1),
     "model.num_classes": at_least(1),

@@ -205,6 +205,9 @@ def make_step(
         logical_rules=logical_rules,
         microbatches=microbatches,
         shard_optimizer=cfg.shard_optimizer,
+        pipeline_schedule=cfg.pipeline_schedule,
+        virtual_stages=cfg.virtual_stages,
+        offload=tuple(filter(None, (x.strip() for x in cfg.offload.split(",")))),
     )
     if dp.pipeline and dp.pipeline.microbatches and why:  # the first log line says why
         dp.pipeline = dataclasses.replace(dp.pipeline, why=why)

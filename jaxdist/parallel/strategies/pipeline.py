@@ -139,6 +139,8 @@ class Pipeline:
     stages: int
     microbatches: int  # 0: the stacked layers are split over stages but not scheduled
     why: str = ""  # how the count was chosen, when it was (auto_microbatches)
+    schedule: str = "gpipe"  # gpipe | 1f1b | interleaved
+    virtual: int = 1  # interleaved: layer chunks per device
 
     def describe(self) -> str:
         if not self.microbatches:
@@ -167,7 +169,14 @@ class Pipeline:
             )
 
 
-def plan(mesh: Mesh, has_stack: bool, stacked: list[str], microbatches: int) -> Pipeline | None:
+def plan(
+    mesh: Mesh,
+    has_stack: bool,
+    stacked: list[str],
+    microbatches: int,
+    schedule: str = "gpipe",
+    virtual_stages: int = 1,
+) -> Pipeline | None:
     """How the ``stage`` axis is used, or None without one; a model with nothing to split
     is an error. ``microbatches``: 0 = 4 per stage."""
     stages = mesh.shape.get(STAGE, 1)
@@ -180,4 +189,6 @@ def plan(mesh: Mesh, has_stack: bool, stacked: list[str], microbatches: int) -> 
             "with jaxdist.models.stack.Stack (the built-in GPT does with --mesh stage=S), or "
             "drop stage from --mesh"
         )
-    return Pipeline(stages, (microbatches or 4 * stages) if has_stack else 0)
+    virtual = virtual_stages if schedule == "interleaved" else 1
+    m = (microbatches or 4 * stages) if has_stack else 0
+    return Pipeline(stages, m, schedule=schedule, virtual=virtual)

@@ -1,0 +1,55 @@
+"""What a ``Parallel``'s one step is told, feature by feature: where a ``Stack`` runs
+(fsdp's layer-by-layer gathers, a pipeline schedule), how fsdp's parameters are used
+under gspmd, where ZeRO-1 splits the gradient. Each option of the layout adds its line
+here and nowhere else in the wrapper; the step itself (``jaxdist.parallel.step``) reads
+only ``StepOptions``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from jaxdist.parallel import layout, zero
+from jaxdist.parallel.device_mesh import batch_shards
+from jaxdist.parallel.step import StepOptions
+from jaxdist.parallel.strategies import pipeline
+from jaxdist.parallel.strategies.shard_map import PerReplica
+
+
+def pipelined(parallel) -> bool:
+    return bool(parallel.pipeline and parallel.pipeline.microbatches)
+
+
+def replicas(parallel, per_replica: bool, axis_name) -> PerReplica | None:
+    """The per-replica region of the step (``shard_map.PerReplica``), or None. fsdp
+    gathers a ``Stack``'s layers one at a time there, unless the stack is pipelined."""
+    if not per_replica:
+        return None
+    by_layer = None if pipelined(parallel) else parallel._source.by_layer
+    params = parallel.state_sharding.params
+    return PerReplica(parallel.mesh, params, axis_name, by_layer)
+
+
+def step_options(parallel, batch, replicas, axis_name, trivial_axes) -> StepOptions:
+    """``parallel``'s ``StepOptions`` for global batches shaped like ``batch``."""
+    source, mesh = parallel._source, parallel.mesh
+    options = dataclasses.replace(parallel._options, axis_name=axis_name, trivial_axes=trivial_axes)
+    if replicas is not None and not pipelined(parallel) and source.has_stack:
+        options = dataclasses.replace(options, stack_runner=replicas.layer_runner)
+    if pipelined(parallel):
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        parallel.pipeline.check_rows(rows, batch_shards(mesh), parallel._options.grad_accum)
+        runner = functools.partial(
+            pipeline.gpipe, mesh=mesh, microbatches=parallel.pipeline.microbatches
+        )
+        options = dataclasses.replace(options, stack_runner=runner)
+    gspmd_fsdp = parallel.strategy == "gspmd" and mesh.shape.get("fsdp", 1) > 1
+    if replicas is None and gspmd_fsdp:
+        use_params = layout.fsdp_use(parallel.state_sharding.params)
+        options = dataclasses.replace(options, use_params=use_params)
+    if parallel.layout.shard_optimizer:  # the gradient split as the moments it updates
+        split = zero.grads_to(parallel.state_sharding.params, source)
+        options = dataclasses.replace(options, shard_grads=split)
+    return options
