@@ -15,6 +15,7 @@ from flax import nnx
 import jaxdist
 from helpers import relative_error
 from jaxdist.plan import Options
+from jaxdist.plan.hlo import read_program
 from test_plan import GPT, gpu_compiler_ready, param_bytes
 
 STEPS, ROWS = 5, 32
@@ -47,8 +48,8 @@ def tx():
     return optax.adamw(1e-2, weight_decay=0.1)
 
 
-def jaxdist_run(shard_optimizer: bool, **options):
-    mesh = jaxdist.make_mesh(data=8)
+def jaxdist_run(shard_optimizer: bool, mesh_shape=None, **options):
+    mesh = jaxdist.make_mesh(**(mesh_shape or {"data": 8}))
     dp = jaxdist.DataParallel(
         lambda: MLP(nnx.Rngs(0)), tx(), loss_fn, mesh=mesh, shard_optimizer=shard_optimizer,
         **options,
@@ -92,8 +93,8 @@ def plain():
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"grad_accum": 2}, {"strategy": "shard_map"}],
-    ids=["gspmd", "accum", "shard_map"],
+    [{}, {"grad_accum": 2}, {"strategy": "shard_map"}, {"mesh_shape": {"data": 2, "fsdp": 4}}],
+    ids=["gspmd", "accum", "shard_map", "fsdp"],
 )
 def test_the_same_numbers_as_data_parallel_and_a_plain_loop(options, data_parallel, plain):
     losses, params, _, _ = jaxdist_run(True, **options)
@@ -139,6 +140,26 @@ def test_the_gpu_step_reduce_scatters_and_all_gathers_instead_of_all_reducing():
     assert zero["all-reduce"] < 0.02 * gradient
     # the parameters come back whole: received 7/8 of them (at least)
     assert param_bytes(GPT) * 7 / 8 * 0.95 <= zero["all-gather"] <= gradient * 7 / 8
+
+
+@pytest.mark.parametrize(
+    "options", [{"grad_accum": 2}, {"strategy": "shard_map"}], ids=["accum", "shard_map"]
+)
+def test_the_per_replica_gradient_is_reduce_scattered_not_all_reduced(options):
+    """Under grad-accum and shard_map the gradient is reduced inside the per-replica
+    region: there each split gradient is one psum_scatter over data (no all-reduce then a
+    slice), so even CPU's compiled step shows it."""
+    mesh = jaxdist.make_mesh(data=8)
+    dp = jaxdist.DataParallel(
+        lambda: MLP(nnx.Rngs(0)), tx(), loss_fn, mesh=mesh, shard_optimizer=True, **options
+    )
+    text = dp.program(jaxdist.shard_batch(batches()[0], mesh)).compile().as_text()
+    by_kind = read_program(text, 8).bytes_by_kind()
+    kernels = 4 * (64 * 256 + 256 * 256 + 256 * 10)  # bytes of the three split gradients
+    assert by_kind["reduce-scatter"] == pytest.approx(kernels * 7 / 8, rel=0.01), by_kind
+    assert by_kind["all-gather"] == pytest.approx(kernels * 7 / 8, rel=0.01), by_kind
+    # all that is all-reduced: the biases (522 floats, under the split size) and scalars
+    assert by_kind["all-reduce"] < 4 * 600, by_kind
 
 
 def test_pmap_refuses_it():

@@ -29,7 +29,10 @@ def replicas(parallel, per_replica: bool, axis_name) -> PerReplica | None:
         return None
     by_layer = None if pipelined(parallel) else parallel._source.by_layer
     params = parallel.state_sharding.params
-    return PerReplica(parallel.mesh, params, axis_name, by_layer)
+    split = (
+        zero.split_shardings(params, parallel._source) if parallel.layout.shard_optimizer else None
+    )
+    return PerReplica(parallel.mesh, params, axis_name, by_layer, split)
 
 
 def step_options(parallel, batch, replicas, axis_name, trivial_axes) -> StepOptions:

@@ -39,17 +39,24 @@ def over_data(sharding: NamedSharding, shape: tuple[int, ...]) -> NamedSharding:
             return sharding
         existing = math.prod(mesh.shape[a] for a in names)
         if shape[dim] % (existing * data) == 0:
-            spec[dim] = (DATA, *names) if names else DATA
+            # data inside the axes already there: each fsdp shard split over data, as a
+            # per-replica reduce-scatter of that shard leaves it (strategies.shard_map)
+            spec[dim] = (*names, DATA) if names else DATA
             return NamedSharding(mesh, P(*spec))
     return sharding
 
 
-def grads_to(param_shardings, source):
-    """``grads -> grads`` laid out as the optimizer state that updates them: each
-    parameter's sharding split over data (``source``: the model's abstract state)."""
+def split_shardings(param_shardings, source):
+    """Each parameter's sharding split over data: its gradient's and moments' layout
+    (``source``: the model's abstract state)."""
 
     def one(sharding, variable):
         return over_data(sharding, tuple(jax.tree.leaves(variable)[0].shape))
 
-    split = jax.tree.map(one, param_shardings, source.abstract_state.params)
+    return jax.tree.map(one, param_shardings, source.abstract_state.params)
+
+
+def grads_to(param_shardings, source):
+    """``grads -> grads`` laid out as the optimizer state that updates them."""
+    split = split_shardings(param_shardings, source)
     return lambda grads: jax.lax.with_sharding_constraint(grads, split)

@@ -42,7 +42,9 @@ class PerReplica:
     ``"batch"`` of ``BatchNorm(axis_name="batch")``) for SyncBatchNorm, which needs a
     mesh with only a data axis."""
 
-    def __init__(self, mesh: Mesh, param_shardings, axis_name: str = DATA, by_layer=None):
+    def __init__(
+        self, mesh: Mesh, param_shardings, axis_name: str = DATA, by_layer=None, grad_shardings=None
+    ):
         beyond_data = {a: n for a, n in mesh.shape.items() if a != DATA and n > 1}
         if not beyond_data and axis_name != DATA:
             # SyncBatchNorm under the model's own axis name: a 1-D mesh of that name, all
@@ -72,6 +74,17 @@ class PerReplica:
         self.later = jax.tree.map(lambda d, b: bool(b) and d != NO_DIM, self.dims, by_layer)
 
         self.batch_spec = P(self.axis)
+        # ZeRO-1 (grad_shardings: the optimizer state's layout, split over data): each
+        # gradient leaves reduce-scattered over data on the dimension its moments split,
+        # one psum_scatter instead of a pmean (an all-reduce) and a slice.
+        grad_shardings = grad_shardings or param_shardings
+        self.scatter_dims = jax.tree.map(
+            lambda s, g: _data_dim(s.spec, g.spec, self.manual), param_shardings, grad_shardings
+        )
+        self.grad_specs = jax.tree.map(
+            lambda d, spec, g: spec if d == NO_DIM else _manual_spec(g.spec, self.manual),
+            self.scatter_dims, self.specs, grad_shardings,
+        )  # fmt: skip
 
     def gather(self, params):
         """Each replica's shards of fsdp-split parameters -> whole parameters; stacked
@@ -113,14 +126,21 @@ class PerReplica:
             axes = tuple(a for a in axes if self.mesh.shape[a] > 1)
             return lax.pmean(x, axes) if axes else x
 
-        def one(dim, later, g):
-            if dim == NO_DIM:
-                return _on_value(g, lambda x: mean(x, self.axes))
-            if later:  # already summed over fsdp and scattered, layer by layer
-                return _unmarked(_on_value(g, lambda x: mean(x / self.fsdp, (DATA,))))
-            return _on_value(g, lambda x: mean(_scatter(dim, self.fsdp)(x), (DATA,)))
+        def over_data(x, split):  # the data mean, scattered where ZeRO-1 splits it
+            if split == NO_DIM:
+                return mean(x, (DATA,))
+            return _scatter(split, self.mesh.shape[DATA], DATA)(x)
 
-        return jax.tree.map(one, self.dims, self.later, grads)
+        def one(dim, later, split, g):
+            if dim == NO_DIM:
+                if split == NO_DIM:
+                    return _on_value(g, lambda x: mean(x, self.axes))
+                return _on_value(g, lambda x: over_data(mean(x, ("fsdp",)), split))
+            if later:  # already summed over fsdp and scattered, layer by layer
+                return _unmarked(_on_value(g, lambda x: over_data(x / self.fsdp, split)))
+            return _on_value(g, lambda x: over_data(_scatter(dim, self.fsdp)(x), split))
+
+        return jax.tree.map(one, self.dims, self.later, self.scatter_dims, grads)
 
     def grads(self, grads_fn):
         """``grads_fn(params, stats, rng_state, step, batch)`` of ``step.make_grads``
@@ -133,7 +153,7 @@ class PerReplica:
             return loss, metrics, stats, self.reduce(grads)
 
         in_specs = (self.specs, P(), P(), P(), self.batch_spec)
-        return self._map(local, in_specs, (P(), P(), P(), self.specs))
+        return self._map(local, in_specs, (P(), P(), P(), self.grad_specs))
 
     def sums(self, sums_fn):
         """``sums_fn(params, stats, rng_state, batch)`` (which psums over the data axis
@@ -194,12 +214,27 @@ def _fsdp_dim(spec: P) -> int:
     return NO_DIM
 
 
+def _data_dim(spec: P, split: P, manual) -> int:
+    """The dimension ``split`` (ZeRO-1's layout) adds ``data`` to, where the parameter's
+    ``spec`` has none; NO_DIM where it adds none, or shares the dimension with an axis the
+    compiler handles (model): that gradient is all-reduced, then sliced by the layout."""
+    for dim, entry in enumerate(split):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        before = spec[dim] if dim < len(spec) else None
+        had = () if before is None else (before,) if isinstance(before, str) else tuple(before)
+        if DATA in names and DATA not in had:
+            others = [a for a in names if a != DATA]
+            inner = names[-1] == DATA  # (fsdp, data): data splits each fsdp shard
+            return dim if all(a in manual for a in others) and inner else NO_DIM
+    return NO_DIM
+
+
 def _all_gather(dim: int):
     return lambda x: lax.all_gather(x, "fsdp", axis=dim, tiled=True)
 
 
-def _scatter(dim: int, size: int):
-    return lambda x: lax.psum_scatter(x, "fsdp", scatter_dimension=dim, tiled=True) / size
+def _scatter(dim: int, size: int, axis: str = "fsdp"):
+    return lambda x: lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True) / size
 
 
 def _on_value(variable, fn):
