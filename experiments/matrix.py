@@ -43,6 +43,7 @@ LAYOUTS = {  # name -> (--mesh, processes)
     "data=2,fsdp=2,model=2": ("data=2,fsdp=2,model=2", 1),
     "stage=2,data=4": ("stage=2,data=4", 1),
     "stage=2,fsdp=2,model=2": ("stage=2,fsdp=2,model=2", 1),
+    "seq=2,fsdp=2,model=2": ("seq=2,fsdp=2,model=2", 1),  # the sequence split 2 ways
     # each fsdp pair spans the 2 processes, each model group stays inside one
     "2 procs x 4: fsdp=2,model=4": ("fsdp=2,model=4", 2),
 }
@@ -140,7 +141,7 @@ def params_close(got: dict, want: dict) -> float:
 class Cell:
     layout: str
     feature: str
-    status: str  # "ok", "refused", "FAILED"
+    status: str  # "ok", "refused", "FAILED", "n/a" (the feature needs another layout)
     detail: str
     seconds: float = 0.0
 
@@ -159,6 +160,8 @@ class Matrix:
         return self._refs[key]
 
     def cell(self, layout: str, feature: str) -> Cell:
+        if why := applies(layout, feature):
+            return Cell(layout, feature, "n/a", why)
         start = time.monotonic()
         status, detail = FEATURES[feature](self, layout, slug(layout, feature))
         return Cell(layout, feature, status, detail, round(time.monotonic() - start, 1))
@@ -249,7 +252,24 @@ FEATURES = {
     "nan skip": compared(
         ["--nan-policy", "skip"], env={"JAXDIST_FAULT": f"nan@0:{NAN_STEP}"}, what="skipped"
     ),
+    # the memory options (AdamW: SGD without momentum has no state to split or offload)
+    "shard-optimizer": compared(["--shard-optimizer"], rtol=1e-3, what="AdamW losses", optim=[]),
+    "offload optimizer": compared(
+        ["--offload", "optimizer"], rtol=1e-3, what="AdamW losses", optim=[]
+    ),
+    "1f1b": compared(["--pipeline-schedule", "1f1b"]),
+    # 4 layers: 2 stages x 2 virtual stages of one layer each
+    "interleaved": compared(["--pipeline-schedule", "interleaved", "--n-layers", "4"]),
 }
+# Features that only mean something on some layouts: (feature, why not elsewhere)
+ONLY_WITH_STAGE = {"1f1b", "interleaved"}
+
+
+def applies(layout: str, feature: str) -> str:
+    """ "" where ``feature`` applies to ``layout``; else why it does not (the cell: n/a)."""
+    if feature in ONLY_WITH_STAGE and "stage" not in LAYOUTS.get(layout, (layout,))[0]:
+        return "no stage axis: no pipeline to schedule (the flag is ignored, as --microbatches)"
+    return ""
 
 
 def table(cells: list[Cell]) -> str:
@@ -263,6 +283,9 @@ def table(cells: list[Cell]) -> str:
         marks = [at[layout, f].status if (layout, f) in at else "" for f in features]
         lines.append(f"| {layout} | " + " | ".join(marks) + " |")
     notes = [f"- {c.layout} / {c.feature}: {c.status}: {c.detail}" for c in cells]
+    if any(c.status == "n/a" for c in cells):  # one line for them all
+        notes = [n for n in notes if ": n/a: " not in n]
+        notes.append(f"- n/a: {applies('data=8', next(iter(ONLY_WITH_STAGE)))}")
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 

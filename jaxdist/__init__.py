@@ -13,6 +13,7 @@ The public API, by subsystem (PyTorch names in brackets)::
     dp.check(metrics, step)                           # NaN / bad rows: raises (or skipped)
     jaxdist.mean_over_replicas(tree)                  # [all_reduce / world_size], in a step
     jaxdist.sum_over_replicas(tree)                   # [all_reduce], in a step
+    jaxdist.attention(q, k, v, causal=True)           # split over a seq mesh axis if any
     # data/: which rows each process reads
     sampler = jaxdist.DistributedSampler(n, global_batch_size=256)  # [DistributedSampler]
     eval_sampler = jaxdist.EvalSampler(n, 256)        # every example once, padding masked
@@ -38,7 +39,7 @@ from jaxdist.cluster import (
 from jaxdist.data import DistributedSampler, EvalSampler
 from jaxdist.errors import ConfigError, JaxdistError, ModelError
 from jaxdist.launch import SpawnError, spawn
-from jaxdist.models import as_nnx
+from jaxdist.models import as_nnx, attention
 from jaxdist.parallel import (
     BadBatchError,
     DataParallel,
@@ -74,6 +75,7 @@ __all__ = [
     "PackedState",
     "TrainState",
     "as_nnx",
+    "attention",
     "barrier",
     "flops",
     "initialize",

@@ -162,6 +162,11 @@ DISTINCT = {
     ("run_health", "run_sinks"): "the trainer's health and reporting wiring",
     ("replica_check", "replica_groups"): "health's check that data-parallel replicas agree, "
     "and the planner's reader of XLA's replica groups",
+    ("pipeline", "pipeline_1f1b"): "the pipeline's plan, GPipe and shared ticks; the 1F1B "
+    "schedule built on them",
+    ("pipeline", "pipeline_interleaved"): "the pipeline's plan, GPipe and shared ticks; the "
+    "interleaved schedule built on them",
+    ("pipeline_1f1b", "pipeline_interleaved"): "two pipeline schedules, named by schedule",
 }
 
 

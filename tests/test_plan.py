@@ -16,6 +16,7 @@ import jaxdist
 from helpers import run_module
 from jaxdist.plan import Options, gpu_compiler
 from jaxdist.plan.__main__ import main as plan_main
+from jaxdist.plan.table import render
 from jaxdist.train import compile_only
 from jaxdist.train import config as config_lib
 
@@ -37,7 +38,7 @@ def gpu_compiler_ready() -> bool:
 
 
 def test_planned_memory_is_the_compiled_programs_own_on_8_devices():
-    layout = ["--grad-accum", "2", "--remat", "block"]
+    layout = ["--grad-accum", "2", "--remat", "block", "--shard-optimizer", "false"]
     flags = [*GPT, "--mesh", "model=2,stage=1", *layout]  # data x fsdp = 4: three layouts
     plan = jaxdist.plan(flags, "cpu:8", Options(budget_s=0, workers=1))
     json.dumps(plan.to_json())  # for tools: plain JSON
@@ -61,11 +62,28 @@ def test_planned_memory_is_the_compiled_programs_own_on_8_devices():
     assert plan.best is not None and plan.best.fits
 
 
+def test_the_plan_lists_the_memory_options_and_their_bytes():
+    """A data-parallel mesh's floor takes --shard-optimizer (its optimizer state 1/8 per
+    device), refining compiles it without as a row of its own; the printed command of
+    the one chosen carries its options."""
+    flags = [*GPT, "--mesh", "data=8", "--grad-accum", "1", "--remat", "none"]
+    plan = jaxdist.plan(flags, "cpu:8", Options(budget_s=0, workers=1))
+    rows = {c.layout.zero: c for c in plan.candidates}
+    assert sorted(rows) == [False, True] and all(c.status == "compiled" for c in rows.values())
+    state, params = compile_only.state_bytes(config_lib.parse_args(GPT))
+    saved = rows[False].measured["argument_bytes"] - rows[True].measured["argument_bytes"]
+    assert saved == pytest.approx((state - params) * 7 / 8, rel=0.1)  # AdamW's moments' 7/8
+    table = render(plan)
+    assert "zero1" in table and "options" in table
+    assert ("--shard-optimizer" in plan.command) == plan.best.layout.zero
+
+
 @pytest.mark.skipif(not gpu_compiler_ready(), reason=f"no GPU compiler: `{gpu_compiler.INSTALL}`")
 def test_a_gpu_cluster_is_planned_without_a_gpu():
     """2 nodes x 2 H100s, fsdp inside a node and data across: the gradient's all-reduce
     over data crosses nodes (each device's half of it), fsdp's collectives do not."""
     flags = [*GPT, "--mesh", "data=2,fsdp=2", "--grad-accum", "1", "--remat", "none"]
+    flags += ["--shard-optimizer", "false"]  # one candidate: the plain layout
     plan = jaxdist.plan(flags, "2x2:H100-80GB", Options(budget_s=0, workers=1))
     (c,) = plan.candidates
     assert c.status == "compiled", c.why

@@ -70,6 +70,11 @@ def test_the_state_floor_splits_state_and_one_gradient_over_the_shards():
     layout = cands.Layout(data=2, fsdp=4, model=2, stage=1)
     assert layout.shards == 8 and layout.mesh == "data=2,fsdp=4,model=2"
     assert cands.state_floor_bytes(layout, 1200.0, 400.0) == 200.0  # (1200 + 400) / 8
+    # ZeRO-1: the optimizer's 800 split over data too: (2 x 400 + 800 / 2) / 8
+    assert cands.state_floor_bytes(layout.with_(zero=True), 1200.0, 400.0) == 150.0
+    assert layout.with_(zero=True).option_flags == ["--shard-optimizer"]
+    staged = cands.Layout(1, 1, 1, 2, schedule="1f1b")
+    assert staged.option_flags == ["--pipeline-schedule", "1f1b"] and staged.option_names == "1f1b"
     assert cands.Layout(1, 1, 1, 1).mesh == "data=1"
 
 

@@ -47,6 +47,8 @@ def fingerprint(x: jax.Array) -> jax.Array:
     summed where it lives and the result does not depend on the layout."""
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
+    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
+        x = jax.device_put(x, jax.memory.Space.Device)  # offloaded state: read it on the device
     if x.dtype.itemsize == 4:
         bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     elif x.dtype.itemsize == 2:

@@ -1,12 +1,15 @@
 """Models, which know nothing of devices or strategies: the MLP, the GPT (logical axis
 names on its parameters), ``Stack`` (identical blocks held stacked and scanned, with
-remat), and ``as_nnx``: any Flax model (NNX, or Linen through flax's bridge) as an NNX
-module. The command line's ``--model`` registry is ``jaxdist.train.build_model``.
+remat), ``attention`` (``jax.nn.dot_product_attention``, split over a ``seq`` mesh axis
+when the ambient mesh has one; the function, which shadows its module's name here), and
+``as_nnx``: any Flax model (NNX, or Linen through flax's bridge) as an NNX module. The
+command line's ``--model`` registry is ``jaxdist.train.build_model``.
 """
 
 from jaxdist.models.adapt import as_nnx
+from jaxdist.models.attention import attention
 from jaxdist.models.gpt import GPT
 from jaxdist.models.mlp import MLP
 from jaxdist.models.stack import Stack
 
-__all__ = ["GPT", "MLP", "Stack", "as_nnx"]
+__all__ = ["GPT", "MLP", "Stack", "as_nnx", "attention"]

@@ -20,6 +20,7 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_bias_init, default_embed_init, default_kernel_init
 
+from jaxdist.models.attention import attention as split_attention
 from jaxdist.models.stack import Stack, call_block, check_remat
 
 
@@ -67,10 +68,12 @@ def _drop(layer: nnx.Dropout | None, x: jax.Array) -> jax.Array:
 
 class Block(nnx.Module):
     def __init__(
-        self, d_model: int, n_heads: int, *, dtype, attention=None, dropout=0.0, rngs: nnx.Rngs
-    ):
+        self, d_model: int, n_heads: int, *, dtype, attention=None, dropout=0.0,
+        seq_attention="ring", rngs: nnx.Rngs,
+    ):  # fmt: skip
         kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
         self.n_heads = n_heads
+        self.seq_attention = seq_attention  # under a seq mesh axis: ring or gather
         # two layers of one stream: nnx.reseed gives each its own key, so their masks differ
         self.drop_att, self.drop_mlp = _dropout(dropout, rngs), _dropout(dropout, rngs)
         self.attention = attention  # None: JAX picks (cuDNN when it can); "cudnn"; "xla"
@@ -87,8 +90,11 @@ class Block(nnx.Module):
         # columns over `model` gives each device whole heads and no data moves.
         qkv = self.qkv(self.ln1(x)).reshape(b, t, self.n_heads, 3, d // self.n_heads)
         q, k, v = (qkv[:, :, :, i] for i in range(3))  # 3 x (B, T, H, D/H)
-        # cuDNN's fused flash attention on GPU (bf16), plain XLA on CPU.
-        att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.attention)
+        # cuDNN's fused flash attention on GPU (bf16), plain XLA on CPU; split over a seq
+        # mesh axis, the keys and values travel (jaxdist.models.attention).
+        att = split_attention(
+            q, k, v, causal=True, seq_attention=self.seq_attention, implementation=self.attention
+        )
         x = x + _drop(self.drop_att, self.proj(att.reshape(b, t, d)))
         return x + _drop(self.drop_mlp, self.out(jax.nn.gelu(self.fc(self.ln2(x)))))
 
@@ -108,6 +114,7 @@ class GPT(nnx.Module):
         remat: str = "none",
         pad_vocab_to: int = 128,
         dropout: float = 0.0,
+        seq_attention: str = "ring",
         rngs: nnx.Rngs,
     ):
         check_remat(remat)
@@ -123,8 +130,9 @@ class GPT(nnx.Module):
 
             def block(rngs):
                 return Block(
-                    d_model, n_heads, dtype=dtype, attention=attention, dropout=dropout, rngs=rngs
-                )
+                    d_model, n_heads, dtype=dtype, attention=attention, dropout=dropout,
+                    seq_attention=seq_attention, rngs=rngs,
+                )  # fmt: skip
 
             # Stacked: parameters (L, ...) run by one scan, and splittable into pipeline
             # stages; a list: L separately compiled blocks (names blocks/0/..., blocks/1/...).

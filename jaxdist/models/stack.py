@@ -9,7 +9,10 @@ strategy's GPipe schedule does this). Models only build and call stacks.
 Activation checkpointing (``remat``) of each block: ``"none"`` keeps every activation;
 ``"block"`` keeps each block's matmul outputs and recomputes the rest in the backward
 pass (norms, GELU, softmax: cheap); ``"full"`` keeps only each block's input and
-recomputes the whole block. The results are the same; the memory is not.
+recomputes the whole block. The results are the same; the memory is not. Within
+``with offloading_activations(True):`` (``--offload activations``) ``"none"`` and
+``"block"`` both run as ``"block"`` with those matmul outputs moved to host memory after
+the forward pass and back for the backward pass, instead of kept in device memory.
 
 A stack is the same model as the list of its blocks: layer i starts from exactly the
 values block i of ``nnx.List([make_block(rngs) for _ in range(n)])`` starts from, drawn
@@ -27,12 +30,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxdist.errors import ConfigError
+
 REMAT = ("none", "block", "full")
 _POLICIES = {
     "block": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "full": jax.checkpoint_policies.nothing_saveable,
+    # "block" with the saved matmul outputs kept in host memory (--offload activations)
+    "block_offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+        "device", "pinned_host"
+    ),
 }
 _RUNNER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("runner", default=None)
+# Within offloading_activations(True): the remat of each block given the offloading policy.
+_OFFLOADED: contextvars.ContextVar[list | None] = contextvars.ContextVar("offload", default=None)
 # Variable metadata of a stack's arrays: how many path keys follow the stack's "layers"
 # ("blocks/layers/qkv/kernel": 2), so a checkpoint can name layer i "blocks/i/qkv/kernel",
 # as an unstacked list of blocks names it (jaxdist.parallel.saved_state).
@@ -148,6 +159,7 @@ class BlockApply:
 
     def __init__(self, graphdef: nnx.GraphDef, remat: str):
         self.graphdef = graphdef
+        remat = _offloaded(remat)
         self.policy = _POLICIES.get(remat, jax.checkpoint_policies.everything_saveable)
         checkpointed = jax.checkpoint(self.plain, policy=self.policy)
         self._run = self.plain if remat == "none" else checkpointed
@@ -166,7 +178,7 @@ def block_apply(graphdef: nnx.GraphDef, remat: str) -> BlockApply:
 
 def call_block(block: nnx.Module, x: jax.Array, remat: str) -> jax.Array:
     """``block(x)`` for one block outside a stack, checkpointed as ``remat`` says."""
-    if remat == "none":
+    if remat == "none" and _OFFLOADED.get() is None:
         return block(x)
     graphdef, state = nnx.split(block)
     return block_apply(graphdef, remat)(state, x)
@@ -180,6 +192,38 @@ def runner(fn: Callable | None):
         yield
     finally:
         _RUNNER.reset(token)
+
+
+@contextlib.contextmanager
+def offloading_activations(on: bool):
+    """Within this context (``on``) every block offloads its saved matmul outputs to host
+    memory; ``ConfigError`` if no block of a ``Stack`` or ``call_block`` ran in it."""
+    blocks: list | None = [] if on else None
+    token = _OFFLOADED.set(blocks)
+    try:
+        yield
+    finally:
+        _OFFLOADED.reset(token)
+    if blocks == []:
+        raise ConfigError(
+            "--offload activations: the model ran no jaxdist Stack or call_block, whose "
+            "block checkpoints are what moves activations to host memory"
+        )
+
+
+def _offloaded(remat: str) -> str:
+    """The remat a block takes: ``"block_offload"`` for "none" and "block" within
+    ``offloading_activations(True)``; "full" keeps nothing in a block to offload."""
+    blocks = _OFFLOADED.get()
+    if blocks is None:
+        return remat
+    if remat == "full":
+        raise ConfigError(
+            "--offload activations with remat full: each block keeps only its input, "
+            "nothing to offload; use remat block (its matmul outputs go to host memory)"
+        )
+    blocks.append(remat)
+    return "block_offload"
 
 
 def has_stack(model: nnx.Module) -> bool:

@@ -1,9 +1,10 @@
-"""The mesh (named axes data, stage, fsdp, model), the data-parallel rank, and the one
-seam between host numpy and global device arrays."""
+"""The mesh (named axes data, stage, fsdp, model, seq), the data-parallel rank, and the
+one seam between host numpy and global device arrays."""
 
 from __future__ import annotations
 
 import collections
+import functools
 import math
 
 import jax
@@ -15,11 +16,13 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.errors import JaxdistError
 
 DATA = "data"  # the mesh axis that batches are split over (with fsdp)
-AXES = ("data", "stage", "fsdp", "model")  # the mesh's axis order
+SEQ = "seq"  # the mesh axis that splits a batch's sequence (dim 1) and the activations'
+AXES = ("data", "stage", "fsdp", "model", "seq")  # the mesh's axis order
 # Outermost to innermost on the devices: model claims a process's devices first (it
-# all-reduces activations in every block), then stage (each tick of the schedule waits
-# for its send), then fsdp (its gathers can overlap compute); data spans processes.
-PLACEMENT = ("data", "fsdp", "stage", "model")
+# all-reduces activations in every block), then seq (its attention sends keys and values
+# in every block), then stage (each tick of the schedule waits for its send), then fsdp
+# (its gathers can overlap compute); data spans processes.
+PLACEMENT = ("data", "fsdp", "stage", "seq", "model")
 BATCH_AXES = ("data", "fsdp")  # batch rows are split over both; replicated over the others
 BATCH_SPEC = P(BATCH_AXES)
 
@@ -43,8 +46,8 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def mesh_devices(sizes: dict[str, int], devices) -> np.ndarray:
-    """``devices`` as an array of shape (data, stage, fsdp, model), placed so that a
-    ``model`` group, then a ``stage`` group, then an ``fsdp`` group stays inside one
+    """``devices`` as an array of shape (data, stage, fsdp, model, seq), placed so that a
+    ``model`` group, then ``seq``, ``stage`` and ``fsdp`` groups stay inside one
     process whenever it fits in what the axes inside it leave, and ``data`` spans
     processes. On several processes of equal size this is JAX's
     ``create_hybrid_device_mesh`` with one process per granule; otherwise (one process, or
@@ -106,9 +109,9 @@ def _resolve(sizes: dict[str, int], count: int, platform: str) -> list[int]:
 
 
 def make_mesh(
-    data: int = -1, *, fsdp: int = 1, model: int = 1, stage: int = 1, devices=None
+    data: int = -1, *, fsdp: int = 1, model: int = 1, stage: int = 1, seq: int = 1, devices=None
 ) -> Mesh:
-    """A mesh with axes ("data", "stage", "fsdp", "model"); size-1 axes cost nothing.
+    """A mesh with axes ("data", "stage", "fsdp", "model", "seq"); size-1 axes cost nothing.
 
     Example::
 
@@ -116,14 +119,15 @@ def make_mesh(
         mesh = jaxdist.make_mesh(data=4)             # the first 4 devices, data only
         mesh = jaxdist.make_mesh(data=2, fsdp=2, model=2)  # 8 devices
         mesh = jaxdist.make_mesh(fsdp=-1, model=2)   # all devices, fsdp = N / 2
+        mesh = jaxdist.make_mesh(data=2, seq=4)      # 8 devices, sequences split in 4
 
     With only ``data`` given, it may use the first ``data`` devices; otherwise the product
     of the sizes (one may be -1) must equal the number of devices. Built from ``Mesh``
     with Auto axes: ``jax.make_mesh`` silently drops devices that do not fit its shape,
     and its default Explicit axes reject the grad-accum reshape of a sharded batch."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = {"data": data, "stage": stage, "fsdp": fsdp, "model": model}
-    if fsdp == model == stage == 1 and data != -1:  # the first N devices, as before
+    sizes = {"data": data, "stage": stage, "fsdp": fsdp, "model": model, "seq": seq}
+    if fsdp == model == stage == seq == 1 and data != -1:  # the first N devices, as before
         if not 1 <= data <= len(devices):
             raise DeviceCountError(
                 f"{data} devices requested but only {len(devices)} exist "
@@ -151,9 +155,22 @@ def axis_size(mesh: Mesh, axes) -> int:
     return math.prod(mesh.shape.get(a, 1) for a in names)
 
 
-def batch_spec(mesh: Mesh) -> P:
-    """Batch rows over ("data", "fsdp") together (a 1-D ``data`` mesh: over ``data``)."""
-    return P(tuple(a for a in BATCH_AXES if a in mesh.axis_names))
+def batch_spec(mesh: Mesh, shape=None) -> P:
+    """Batch rows over ("data", "fsdp") together (a 1-D ``data`` mesh: over ``data``).
+    With ``shape`` (one array's) and a ``seq`` axis > 1 that divides its dimension 1
+    (tokens (B, T)): that dimension over ``seq`` too. A dimension seq does not divide
+    (the trainer's (B, T + 1) tokens: inputs and shifted targets) stays whole over seq;
+    the model splits its activations itself (``jaxdist.models.attention``)."""
+    rows = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    seq = mesh.shape.get(SEQ, 1)
+    if seq > 1 and shape is not None and len(shape) >= 2 and shape[1] % seq == 0:
+        return P(rows, SEQ)
+    return P(rows)
+
+
+def batch_shardings(mesh: Mesh, batch):
+    """The ``NamedSharding`` of each array of ``batch`` (``batch_spec`` by its shape)."""
+    return jax.tree.map(lambda x: NamedSharding(mesh, batch_spec(mesh, np.shape(x))), batch)
 
 
 def data_parallel_rank(mesh: Mesh, process_index: int | None = None) -> tuple[int, int]:
@@ -191,7 +208,8 @@ def batch_blocks_by_process(mesh: Mesh) -> dict[int, tuple[int, ...]]:
 
 def shard_batch(host_batch, mesh: Mesh | None = None, spec: P | None = None):
     """Host-local numpy (this data-parallel rank's rows) -> global ``jax.Array``, rows
-    split over ("data", "fsdp") and replicated over ``model`` and ``stage``.
+    split over ("data", "fsdp") and replicated over ``model`` and ``stage``; a sequence
+    dimension (1) that a ``seq`` axis divides split over seq (``batch_spec``).
 
     With R data-parallel ranks (processes, or groups of processes sharing a model
     replica; see ``data_parallel_rank``) each holding G/R rows, the result has G rows.
@@ -202,7 +220,6 @@ def shard_batch(host_batch, mesh: Mesh | None = None, spec: P | None = None):
         batch = jaxdist.shard_batch({"x": x_np, "y": y_np}, mesh)  # x_np: (64, 32) numpy
     """
     mesh = make_mesh() if mesh is None else mesh
-    spec = batch_spec(mesh) if spec is None else spec
     local_blocks = len(batch_blocks_by_process(mesh)[jax.process_index()])
     _, ranks = data_parallel_rank(mesh)
     for x in jax.tree.leaves(host_batch):
@@ -211,13 +228,26 @@ def shard_batch(host_batch, mesh: Mesh | None = None, spec: P | None = None):
                 f"a host batch of {np.shape(x)[0]} rows does not split over this process's "
                 f"{local_blocks} batch shards"
             )
-    sharding = NamedSharding(mesh, spec)
 
     def put(x):
         global_shape = (np.shape(x)[0] * ranks, *np.shape(x)[1:])
+        sharding = NamedSharding(mesh, batch_spec(mesh, global_shape) if spec is None else spec)
         return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
     return jax.tree.map(put, host_batch)
+
+
+def traced_in(mesh: Mesh, fn):
+    """``fn`` traced with ``mesh`` as the ambient mesh (``jax.sharding.get_abstract_mesh``),
+    where code inside a step that splits work over an axis by hand looks for it
+    (``jaxdist.models.attention``: the ``seq`` axis)."""
+
+    @functools.wraps(fn)
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args)
+
+    return traced
 
 
 def replicate(tree, mesh: Mesh):

@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import JaxdistError
 from jaxdist.parallel.device_mesh import AXES, DATA, axis_size
+from jaxdist.parallel.offload import in_host_memory
 from jaxdist.parallel.zero import over_data
 
 FSDP = "fsdp"
@@ -267,14 +268,14 @@ class Layout:
     rules: tuple = ()  # the user's path rules (regex, axes)
     logical_rules: dict | None = None
     shard_optimizer: bool = False  # the optimizer state split over data (ZeRO-1)
+    offload: tuple[str, ...] = ()  # held in host memory (jaxdist.parallel.offload)
 
     def shardings(self, abstract_state):
         """The state's shardings: a tree for jit's in/out_shardings (or one for all)."""
         if self.copies:
             return NamedSharding(self.mesh, P(DATA))
-        return state_shardings(
-            abstract_state, self.mesh, self.rules, self.logical_rules, self.shard_optimizer
-        )
+        args = (self.mesh, self.rules, self.logical_rules, self.shard_optimizer)
+        return in_host_memory(state_shardings(abstract_state, *args), self.offload)
 
     def expand(self, state):
         """One copy -> this layout; inside ``jax.jit`` with ``out_shardings``, so each

@@ -9,6 +9,8 @@ from typing import Any
 
 import jax
 
+from jaxdist.parallel.device_mesh import batch_shardings
+
 
 @dataclass(frozen=True)
 class StepProgram:
@@ -30,7 +32,7 @@ class StepProgram:
 
     def abstract_batch(self, batch):
         """``batch``'s shapes and dtypes, laid out as this program's batches are."""
-        return abstract(batch, jax.tree.leaves(self.batch)[0].sharding)
+        return abstract(batch, batch_shardings(jax.tree.leaves(self.batch)[0].sharding.mesh, batch))
 
     def compile(self) -> jax.stages.Compiled:
         if "compiled" not in self._compiled:

@@ -72,6 +72,11 @@ class StepOptions:
     stack_runner: Callable | None = None
     # grads -> the optimizer state's layout, split over data (zero, ZeRO)
     shard_grads: Callable | None = None
+    # host offload (jaxdist.parallel.offload): params / optimizer state, kept in host
+    # memory between steps -> device memory inside the step
+    params_in: Callable | None = None
+    opt_state_in: Callable | None = None
+    offload_activations: bool = False  # the blocks' saved matmul outputs in host memory
 
 
 def split_microbatches(batch, k: int):
@@ -98,17 +103,18 @@ def reseeded(graphdef: nnx.GraphDef, params, stats, rng_state, key: jax.Array) -
 
 
 def make_loss(
-    graphdef: nnx.GraphDef, loss_fn: Callable, trivial_axes=(), stack_runner=None
+    graphdef: nnx.GraphDef, loss_fn: Callable, trivial_axes=(), stack_runner=None, offload=False
 ) -> Callable:
     """``(params, stats, rng_state, batch, key) -> (loss, (metrics, new_stats))``: pure,
-    the model merged inside, its own axis names bound (see ``jaxdist.parallel.bound_axes``)."""
+    the model merged inside, its own axis names bound (see ``jaxdist.parallel.bound_axes``).
+    ``offload``: the blocks' remat moves their saved activations to host memory."""
     loss_fn = normalize_loss_fn(loss_fn)
 
     def loss_of(params, stats, rng_state, batch, key):
         # copy=True: fresh Variables at this trace level, so BatchNorm may update them
         # inside jax.grad (sharing the caller's Variables raises TraceContextError).
         model = nnx.merge(graphdef, params, stats, rng_state, copy=True)
-        with stack.runner(stack_runner):
+        with stack.runner(stack_runner), stack.offloading_activations(offload):
             loss, metrics = loss_fn(model, batch, nnx.Rngs(key))
         return loss, (metrics, nnx.state(model, nnx.BatchStat))
 
@@ -120,7 +126,7 @@ def make_grads(graphdef, loss_fn: Callable, options: StepOptions = StepOptions()
     the mean over the rows it is given (one replica's, or the global batch under gspmd),
     over ``grad_accum`` microbatches; nothing is averaged across replicas here."""
     o = options
-    loss = make_loss(graphdef, loss_fn, o.trivial_axes, o.stack_runner)
+    loss = make_loss(graphdef, loss_fn, o.trivial_axes, o.stack_runner, o.offload_activations)
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     def grads_at(params, stats, rng_state, batch, key):
@@ -167,22 +173,22 @@ def make_train_step(
         grads_fn = per_replica.grads(grads_fn)
 
     def train_step(state: TrainState, batch):
+        params = o.params_in(state.params) if o.params_in else state.params
         loss, metrics, stats, grads = grads_fn(
-            state.params, state.batch_stats, state.rng_state, state.step, batch
+            params, state.batch_stats, state.rng_state, state.step, batch
         )
         # Replicas agree on the global-batch gradient; running statistics are averaged too.
         loss, metrics, stats, grads = mean_over_replicas((loss, metrics, stats, grads), o.axis_name)
         grads = o.shard_grads(grads) if o.shard_grads else grads
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        opt_state = o.opt_state_in(state.opt_state) if o.opt_state_in else state.opt_state
+        before = (params, opt_state, state.batch_stats)  # in device memory, as the update
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
         grad_norm, status = step_checks.grad_norm_and_health(loss, grads)
         if o.nan_policy == "skip":  # a non-finite step leaves the state as it was
             finite = status[step_checks.NONFINITE] == 0
-            params, opt_state, stats = step_checks.keep_if(
-                finite,
-                (params, opt_state, stats),
-                (state.params, state.opt_state, state.batch_stats),
-            )
+            new = (params, opt_state, stats)
+            params, opt_state, stats = step_checks.keep_if(finite, new, before)
         if o.batch_check is not None:
             status.update(step_checks.first_bad_row(batch, o.batch_check, o.axis_name))
         metrics = {**metrics, "loss": loss, "grad_norm": grad_norm}
@@ -222,6 +228,7 @@ def make_eval_step(
         sums = per_replica.sums(sums)
 
     def eval_step(state: TrainState, batch):
-        return sums(state.params, state.batch_stats, state.rng_state, batch)
+        params = options.params_in(state.params) if options.params_in else state.params
+        return sums(params, state.batch_stats, state.rng_state, batch)
 
     return eval_step

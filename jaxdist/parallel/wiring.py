@@ -10,11 +10,12 @@ import dataclasses
 import functools
 
 import jax
+from flax import nnx
 
-from jaxdist.parallel import layout, zero
+from jaxdist.parallel import layout, offload, zero
 from jaxdist.parallel.device_mesh import batch_shards
 from jaxdist.parallel.step import StepOptions
-from jaxdist.parallel.strategies import pipeline
+from jaxdist.parallel.strategies import pipeline, pipeline_1f1b, pipeline_interleaved
 from jaxdist.parallel.strategies.shard_map import PerReplica
 
 
@@ -44,10 +45,7 @@ def step_options(parallel, batch, replicas, axis_name, trivial_axes) -> StepOpti
     if pipelined(parallel):
         rows = jax.tree.leaves(batch)[0].shape[0]
         parallel.pipeline.check_rows(rows, batch_shards(mesh), parallel._options.grad_accum)
-        runner = functools.partial(
-            pipeline.gpipe, mesh=mesh, microbatches=parallel.pipeline.microbatches
-        )
-        options = dataclasses.replace(options, stack_runner=runner)
+        options = dataclasses.replace(options, stack_runner=pipeline_runner(parallel))
     gspmd_fsdp = parallel.strategy == "gspmd" and mesh.shape.get("fsdp", 1) > 1
     if replicas is None and gspmd_fsdp:
         use_params = layout.fsdp_use(parallel.state_sharding.params)
@@ -55,4 +53,21 @@ def step_options(parallel, batch, replicas, axis_name, trivial_axes) -> StepOpti
     if parallel.layout.shard_optimizer:  # the gradient split as the moments it updates
         split = zero.grads_to(parallel.state_sharding.params, source)
         options = dataclasses.replace(options, shard_grads=split)
+    if parallel.layout.offload:  # host memory between steps, device memory inside
+        options = offload.step_options(options, parallel.state_sharding, parallel.layout.offload)
     return options
+
+
+def pipeline_runner(parallel):
+    """The ``Stack`` runner of ``parallel.pipeline.schedule``; each stack's layer count
+    checked against it first (interleaved cuts it into S x V chunks)."""
+    plan, source = parallel.pipeline, parallel._source
+    flat = nnx.to_flat_state(source.one_copy_state.params)
+    stacks = {v.get_value().shape[0] for p, v in flat if layout.path_name(p) in source.stacked}
+    for layers in sorted(stacks):  # L of each stack
+        plan.check_layers(layers)
+    kw = dict(mesh=parallel.mesh, microbatches=plan.microbatches)
+    if plan.schedule == "interleaved":
+        return functools.partial(pipeline_interleaved.interleaved, virtual=plan.virtual, **kw)
+    run = pipeline_1f1b.one_f_one_b if plan.schedule == "1f1b" else pipeline.gpipe
+    return functools.partial(run, **kw)

@@ -9,13 +9,14 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jaxdist.errors import ConfigError
 from jaxdist.parallel import bound_axes, packed, step_checks, strategies, wiring
-from jaxdist.parallel.device_mesh import batch_spec, make_mesh
+from jaxdist.parallel.device_mesh import batch_shardings, make_mesh
 from jaxdist.parallel.host import host_value, scalars
 from jaxdist.parallel.initial_state import ModelSource
+from jaxdist.parallel.offload import offloaded
 from jaxdist.parallel.program import StepProgram, abstract, no_eval_fn, shapes_of
 from jaxdist.parallel.saved_state import SavedState, split_layers
 from jaxdist.parallel.step import StepOptions, TrainState, make_eval_step, make_train_step
@@ -99,6 +100,7 @@ class Parallel:
         self.mesh = make_mesh() if mesh is None else mesh
         self.strategy = strategy
         self.layout = strategies.layout(strategy, self.mesh, rules, logical_rules, shard_optimizer)
+        self.layout = offloaded(self.layout, offload, strategy)  # checked; in host memory
         self.nan_policy = nan_policy
         self.sync_batch_stats = sync_batch_stats
         self.axis_bindings: dict[str, str] = {}  # the model's axis names -> what they mean
@@ -111,7 +113,7 @@ class Parallel:
             self.mesh, self._source.has_stack, self._source.stacked, microbatches,
             schedule=pipeline_schedule, virtual_stages=virtual_stages,
         )  # fmt: skip
-        self.offload = tuple(offload)
+        self.offload = self.layout.offload
         self._loss_fn, self._eval_fn, self._tx = loss_fn, eval_fn or no_eval_fn, optimizer
         self._options = StepOptions(grad_accum, seed, schedule, nan_policy, batch_check)
         self._wired: tuple | None = None  # on first use: needs the batch shapes
@@ -272,7 +274,7 @@ class Parallel:
         step, evaluate = strategies.wire(
             self.strategy, build, self.mesh, axis_name, shardings, replicas
         )
-        abstract_batch = abstract(batch, NamedSharding(self.mesh, batch_spec(self.mesh)))
+        abstract_batch = abstract(batch, batch_shardings(self.mesh, batch))
         return StepProgram(step, abstract_state, abstract_batch), evaluate
 
 

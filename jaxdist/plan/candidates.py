@@ -1,7 +1,7 @@
-"""The layouts a plan considers: every mesh data x fsdp x model x stage of the target
-with ``model`` and ``stage`` inside a node, each with the microbatch counts (grad_accum)
-its batch rows allow and the remat modes; and the screen that discards a mesh without
-compiling when the state alone cannot fit."""
+"""The layouts a plan considers: every mesh data x fsdp x model x stage (x seq, for the
+GPT) of the target with ``model`` and ``seq`` inside a node, each with the microbatch
+counts (grad_accum) its batch rows allow and the remat modes; and the screen that
+discards a mesh without compiling when the state alone cannot fit."""
 
 from __future__ import annotations
 
@@ -20,17 +20,34 @@ class Layout:
     stage: int
     grad_accum: int = 1
     remat: str = "none"
+    seq: int = 1  # the sequence split over seq: activations split, the state not
+    zero: bool = False  # --shard-optimizer: the optimizer state split over data too
+    schedule: str = "gpipe"  # --pipeline-schedule, with stages
 
     @property
     def mesh(self) -> str:
         """The ``--mesh`` flag: ``fsdp=64``, ``data=8,model=8``; ``data=1`` on one device."""
         sizes = {"data": self.data, "stage": self.stage, "fsdp": self.fsdp, "model": self.model}
+        sizes["seq"] = self.seq
         return ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "data=1"
 
     @property
     def shards(self) -> int:
         """How many ways the state can be split (data replicates it)."""
         return self.fsdp * self.model * self.stage
+
+    @property
+    def option_flags(self) -> list[str]:
+        """The memory options' flags: ``--shard-optimizer``, ``--pipeline-schedule 1f1b``."""
+        flags = ["--shard-optimizer"] if self.zero else []
+        return flags + (["--pipeline-schedule", self.schedule] if self.stage > 1 else [])
+
+    @property
+    def option_names(self) -> str:
+        """The options as the table's column shows them: "zero1 1f1b", "-"."""
+        names = ["zero1"] if self.zero else []
+        names += [self.schedule] if self.stage > 1 else []
+        return " ".join(names) or "-"
 
     def with_(self, **changes) -> Layout:
         return Layout(**{**self.__dict__, **changes})
@@ -40,23 +57,34 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(target: Target, fixed: dict[str, int] | None = None) -> list[Layout]:
-    """Every data x fsdp x model x stage = the target's devices with ``model`` dividing a
-    node's devices (tensor parallelism's all-reduces run in every layer: NVLink, not the
-    network); ``stage`` may span nodes (a pipeline sends one activation per microbatch
-    and stage). ``fixed`` (the user's ``--mesh``) keeps only the layouts it names, and a
-    ``model`` it names may span nodes too."""
+def meshes(target: Target, fixed: dict[str, int] | None = None, seq_len: int = 0) -> list[Layout]:
+    """Every data x fsdp x model x stage x seq = the target's devices with ``model`` x
+    ``seq`` dividing a node's devices (tensor parallelism's all-reduces and sequence
+    parallelism's key/value sends run in every layer: NVLink, not the network); ``stage``
+    may span nodes (a pipeline sends one activation per microbatch and stage). ``seq``
+    only with ``seq_len`` (the GPT's T, which it must divide), no stages (refused with
+    them), and no ``fixed`` mesh or one naming seq. ``fixed`` (the user's ``--mesh``)
+    keeps only the layouts it names, and a ``model`` or ``seq`` it names may span nodes."""
     total, per_node = target.num_devices, target.devices_per_node
     model_limit = total if fixed and "model" in fixed else per_node
     found = []
     for model in divisors(model_limit):
-        for stage in divisors(total // model):
-            rest = total // (model * stage)
-            for fsdp in divisors(rest):
-                layout = Layout(rest // fsdp, fsdp, model, stage)
-                if not fixed or all(getattr(layout, k) == v for k, v in fixed.items()):
-                    found.append(layout)
+        for seq in _seq_sizes(total if fixed else per_node, model, fixed, seq_len):
+            for stage in divisors(total // (model * seq)) if seq == 1 else [1]:
+                rest = total // (model * seq * stage)
+                for fsdp in divisors(rest):
+                    layout = Layout(rest // fsdp, fsdp, model, stage, seq=seq)
+                    if not fixed or all(getattr(layout, k) == v for k, v in fixed.items()):
+                        found.append(layout)
     return found
+
+
+def _seq_sizes(room: int, model: int, fixed, seq_len: int) -> list[int]:
+    """The seq sizes next to ``model``: divisors of what ``model`` leaves of ``room``
+    that divide ``seq_len``; [1] without a sequence or with a ``fixed`` mesh not naming seq."""
+    if not seq_len or (fixed and "seq" not in fixed) or room % model:
+        return [1]
+    return [s for s in divisors(room // model) if seq_len % s == 0]
 
 
 def accum_options(layout: Layout, global_batch_size: int) -> list[int]:
@@ -70,15 +98,18 @@ def accum_options(layout: Layout, global_batch_size: int) -> list[int]:
 
 def state_floor_bytes(layout: Layout, state_bytes: float, param_bytes: float) -> float:
     """The least memory a device of ``layout`` can need: the training state (params,
-    optimizer state) and one gradient, split as many ways as the layout can split them."""
-    return (state_bytes + param_bytes) / layout.shards
+    optimizer state) and one gradient, split as many ways as the layout can split them,
+    the optimizer state ``data`` times more with ``zero`` (ZeRO-1)."""
+    optimizer = state_bytes - param_bytes  # AdamW: 8 of the 12 bytes a parameter keeps
+    split = layout.data if layout.zero else 1
+    return (2 * param_bytes + optimizer / split) / layout.shards
 
 
 def crossing_axes(layout: Layout, per_node: int) -> set[str]:
     """The axes whose groups span nodes: a node's devices go to ``model`` first, then
-    ``stage``, ``fsdp``, ``data`` (``jaxdist.parallel.device_mesh.PLACEMENT``)."""
+    ``seq``, ``stage``, ``fsdp``, ``data`` (``jaxdist.parallel.device_mesh.PLACEMENT``)."""
     crossing, inner = set(), 1
-    for axis in ("model", "stage", "fsdp", "data"):
+    for axis in ("model", "seq", "stage", "fsdp", "data"):
         size = getattr(layout, axis)
         inner *= size
         if size > 1 and inner > per_node:
@@ -106,4 +137,4 @@ def search_order(layout: Layout, per_node: int, param_bytes: float, data_first: 
     ways; ``data_first``, for a state that fits whole: the most), then the plainest."""
     data = -layout.data if data_first else layout.data
     crossing = cross_node_floor_bytes(layout, per_node, param_bytes)
-    return (crossing, data, layout.model * layout.stage, layout.stage, layout.fsdp)
+    return (crossing, data, layout.model * layout.stage, layout.stage, layout.fsdp, layout.seq)

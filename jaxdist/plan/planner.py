@@ -28,6 +28,7 @@ from jaxdist.plan import candidates as cands
 from jaxdist.plan import gpu_compiler
 from jaxdist.plan.estimate import EFFICIENCY, StepTime, step_time
 from jaxdist.plan.pool import Pool, environment
+from jaxdist.plan.refine import Refine
 from jaxdist.plan.table import train_command
 from jaxdist.plan.targets import Target, parse_target
 from jaxdist.train import compile_only
@@ -81,7 +82,9 @@ class Plan:
         def one(c: Candidate) -> dict:
             return {
                 "mesh": c.layout.mesh, "grad_accum": c.layout.grad_accum,
-                "remat": c.layout.remat, "phase": c.phase, "status": c.status,
+                "remat": c.layout.remat, "shard_optimizer": c.layout.zero,
+                "pipeline_schedule": c.layout.schedule if c.layout.stage > 1 else None,
+                "phase": c.phase, "status": c.status,
                 "fits": c.fits, "why": c.why, "measured": c.measured,
                 "time": dataclasses.asdict(c.time) if c.time else None,
             }  # fmt: skip
@@ -136,11 +139,17 @@ class _Search:
         self.capacity, self.all, self.queue = capacity, [], []
         train, model = tree.get("train", {}), tree.get("model", {})
         self.fixed_accum = train.get("grad_accum")
+        # the memory options the user set are kept; else a floor takes them (ZeRO-1 where
+        # data > 1, 1F1B where stages), and refining tries the run without them
+        self.fixed_zero, self.fixed_schedule = (
+            train.get("shard_optimizer"),
+            train.get("pipeline_schedule"),
+        )
         gpt = base.model.name == "gpt"
         self.fixed_remat = model.get("remat") if gpt else base.model.remat
         fixed = {k: v for k, v in parse_mesh(base.train.mesh).items() if v != -1}
         if base.train.strategy != "gspmd":  # pmap and shard_map take data only
-            fixed = {**fixed, "fsdp": 1, "model": 1, "stage": 1}
+            fixed = {**fixed, "fsdp": 1, "model": 1, "stage": 1, "seq": 1}
         # A state that fits whole on every device with room to spare: data parallel
         # first (the least communication); else the layouts that split it most.
         replicated = (state_bytes + param_bytes) < capacity / 2
@@ -148,9 +157,10 @@ class _Search:
             cands.search_order, per_node=target.devices_per_node, param_bytes=param_bytes,
             data_first=replicated,
         )  # fmt: skip
-        for mesh in sorted(cands.meshes(target, fixed), key=order):
+        seq_len = base.model.seq_len if gpt else 0  # the GPT's sequence may split over seq
+        for mesh in sorted(cands.meshes(target, fixed, seq_len), key=order):
             self._screen(mesh, state_bytes, param_bytes)
-        self.refining: list[_Refine] = []  # fitting meshes, best estimate first
+        self.refining: list[Refine] = []  # fitting meshes, best estimate first
         self.done = 0
         self.durations: list[float] = []  # seconds from a compile's start to its result
 
@@ -162,9 +172,10 @@ class _Search:
         options = cands.accum_options(mesh, self.base.train.global_batch_size)
         if self.fixed_accum:
             options = [a for a in options if a == self.fixed_accum]
-        floor = cands.state_floor_bytes(mesh, state_bytes, param_bytes)
         layout = mesh.with_(grad_accum=options[-1] if options else 1,
                             remat=self.fixed_remat or "full")  # fmt: skip
+        layout = layout.with_(**self._floor_options(mesh))
+        floor = cands.state_floor_bytes(layout, state_bytes, param_bytes)
         if not options:
             batch, shards = self.base.train.global_batch_size, mesh.data * mesh.fsdp
             why = f"the batch does not divide: {batch} rows over data x fsdp = {shards}"
@@ -178,6 +189,22 @@ class _Search:
         else:
             self.queue.append(self._add(layout, "floor", "pending", "", options))
 
+    def _floor_options(self, mesh: cands.Layout) -> dict:
+        """The memory options of a mesh's floor: the user's, else those that save memory."""
+        zero = self.fixed_zero if self.fixed_zero is not None else mesh.data > 1
+        schedule = self.fixed_schedule or ("1f1b" if mesh.stage > 1 else "gpipe")
+        return {"zero": bool(zero) and mesh.data > 1, "schedule": schedule}
+
+    def lighter_options(self, layout: cands.Layout) -> list[dict]:
+        """Changes to try once a mesh fits: each memory option off (GPipe rather than 1F1B,
+        the optimizer state whole), unless the user set it."""
+        changes = []
+        if layout.stage > 1 and self.fixed_schedule is None and layout.schedule != "gpipe":
+            changes.append({"schedule": "gpipe"})
+        if layout.zero and self.fixed_zero is None:
+            changes.append({"zero": False})
+        return changes
+
     def _add(self, layout, phase, status, why, options=None) -> Candidate:
         c = Candidate(layout, phase, status, why, tree=self._tree(layout), options=options or [])
         self.all.append(c)
@@ -187,6 +214,7 @@ class _Search:
         tree = copy.deepcopy(self.tree)
         train = tree.setdefault("train", {})
         train.update(mesh=layout.mesh, grad_accum=layout.grad_accum, num_devices=0)
+        train.update(shard_optimizer=layout.zero, pipeline_schedule=layout.schedule)
         train.pop("cpu_devices", None)
         if self.base.model.name == "gpt":
             tree.setdefault("model", {})["remat"] = layout.remat
@@ -211,7 +239,7 @@ class _Search:
             return self.queue.pop(0)
         return self._probe(self.refining[1:])
 
-    def _probe(self, refining: list[_Refine]) -> Candidate | None:
+    def _probe(self, refining: list[Refine]) -> Candidate | None:
         for refine in refining:
             layout = refine.next_probe()
             if layout is not None:
@@ -235,7 +263,7 @@ class _Search:
             c.refine.learn(c)
         elif c.fits:  # a floor that fits: search it for fewer microbatches, lighter remat
             remats = [] if self.fixed_remat else ["block", "none"]
-            self.refining.append(_Refine(c, remats))
+            self.refining.append(Refine(c, remats, self.lighter_options(c.layout)))
             self.refining.sort(key=lambda r: r.step_s)
 
     def finish(self) -> None:
@@ -249,45 +277,3 @@ class _Search:
     def best(self) -> Candidate | None:
         fitting = [c for c in self.all if c.fits and c.time]
         return min(fitting, key=lambda c: (c.time.step_s, c.peak_bytes), default=None)
-
-
-class _Refine:
-    """One fitting mesh: the fewest microbatches that fit (memory falls as they grow),
-    then lighter remat at that count while it fits."""
-
-    def __init__(self, floor: Candidate, lighter_remats: list[str]):
-        self.options = floor.options
-        self.layout = floor.layout
-        self.lo, self.hi = -1, len(self.options) - 1  # options[hi] fits; [lo] does not
-        self.remats = list(lighter_remats)
-        self.busy = False
-        self.step_s = floor.time.step_s  # its best fitting estimate so far
-
-    def next_probe(self) -> cands.Layout | None:
-        if self.busy:
-            return None
-        if self.hi - self.lo > 1:
-            mid = (self.lo + self.hi) // 2
-            self.busy = True
-            return self.layout.with_(grad_accum=self.options[mid])
-        if self.remats:
-            self.busy = True
-            return self.layout.with_(grad_accum=self.options[self.hi], remat=self.remats[0])
-        return None
-
-    def learn(self, c: Candidate) -> None:
-        self.busy = False
-        if c.fits:
-            self.step_s = min(self.step_s, c.time.step_s)
-        if c.layout.remat != self.layout.remat:  # a lighter remat
-            self.remats.pop(0)
-            if c.fits:
-                self.layout = c.layout
-            else:
-                self.remats = []
-            return
-        index = self.options.index(c.layout.grad_accum)
-        if c.fits:
-            self.hi = index
-        else:
-            self.lo = index

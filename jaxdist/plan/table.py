@@ -39,8 +39,8 @@ def render(plan: Plan) -> str:
         "",
     ]
     width = max(len(c.layout.mesh) for c in plan.candidates)
-    lines.append(_row(["mesh", "accum", "remat", "args", "temp", "peak", "fits", "in node",
-                       "across", "FLOPs", "step s", "note"], width))  # fmt: skip
+    lines.append(_row(["mesh", "accum", "remat", "options", "args", "temp", "peak", "fits",
+                       "in node", "across", "FLOPs", "step s", "note"], width))  # fmt: skip
     for c in sorted(plan.candidates, key=_sort_key):
         lines.append(_row(_cells(c, plan), width))
     lines.append("")
@@ -48,7 +48,8 @@ def render(plan: Plan) -> str:
     lines.append(f"{len(plan.candidates)} layouts, {compiled} compiled, in {plan.elapsed_s:.0f} s")
     if plan.best:
         b = plan.best
-        chosen = f"--mesh {b.layout.mesh} --grad-accum {b.layout.grad_accum}"
+        chosen = " ".join(["--mesh", b.layout.mesh, "--grad-accum", str(b.layout.grad_accum),
+                           *b.layout.option_flags])  # fmt: skip
         cost = f"{size(b.peak_bytes)}, ~{b.time.step_s:.3g} s a step"
         lines += ["", f"Best that fits: {chosen} ({cost})", plan.command]
     else:
@@ -62,7 +63,7 @@ def _sort_key(c: Candidate):
 
 def _cells(c: Candidate, plan: Plan) -> list[str]:
     layout = c.layout
-    head = [layout.mesh, str(layout.grad_accum), layout.remat]
+    head = [layout.mesh, str(layout.grad_accum), layout.remat, layout.option_names]
     if c.status != "compiled":
         why = c.why.split("; ")[0]  # the layout function's first clause names the problem
         return [*head, "", "", "", "no" if c.status == "too big" else "-", "", "", "", "",
@@ -80,7 +81,7 @@ def _cells(c: Candidate, plan: Plan) -> list[str]:
     ]  # fmt: skip
 
 
-WIDTHS = [5, 5, 9, 9, 9, 4, 10, 10, 8, 7]  # after the mesh; the note last
+WIDTHS = [5, 5, 10, 9, 9, 9, 4, 10, 10, 8, 7]  # after the mesh; the note last
 
 
 def _row(cells: list[str], mesh_width: int) -> str:
@@ -99,7 +100,8 @@ def size(n: float) -> str:
 
 def train_command(train_flags, layout, target: Target, memory_fraction: float, gpt: bool) -> str:
     """The user's flags with the plan's layout: ``python -m jaxdist.train ...``."""
-    kept, skip = [], {"--mesh", "--grad-accum", "--remat", "--cpu-devices", "--num-devices"}
+    kept, skip = [], {"--mesh", "--grad-accum", "--remat", "--cpu-devices", "--num-devices",
+                      "--shard-optimizer", "--pipeline-schedule"}  # fmt: skip
     flags = list(train_flags)
     while flags:
         flag = flags.pop(0)
@@ -110,6 +112,7 @@ def train_command(train_flags, layout, target: Target, memory_fraction: float, g
             continue
         kept.append(flag)
     layout_flags = ["--mesh", layout.mesh, "--grad-accum", str(layout.grad_accum)]
+    layout_flags += layout.option_flags
     if gpt:
         layout_flags += ["--remat", layout.remat]
     prefix = ""

@@ -48,6 +48,7 @@ def _gpt(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
         scan_layers=cfg.scan_layers,
         remat=cfg.remat,
         dropout=cfg.dropout,
+        seq_attention=cfg.seq_attention,
         rngs=rngs,
     )
 

@@ -108,15 +108,15 @@ class TrainConfig:
     run_dir: str = ""  # "" -> runs/<model>-<strategy>-<time>
     cpu_devices: int = 0  # >0: emulate this many CPU devices (set before jax starts)
     num_devices: int = 0  # >0: use only the first N devices; 0: all
-    # the mesh, "data=2,fsdp=2,model=2" (axes data, stage, fsdp, model; one may be -1);
+    # the mesh, "data=2,fsdp=2,model=2" (axes data, stage, fsdp, model, seq; one may be -1);
     # "": every device on data. pmap takes data only.
     mesh: str = ""
     rules: str = ""  # YAML file of [regex on a param path, [axis or null per dim]] pairs
     # pipeline (--mesh stage=S): microbatches of the GPipe schedule; 0 = auto: the largest
     # count <= 4 x S that divides the rows each pipeline replica holds per step
     microbatches: int = 0
-    # gpipe (M microbatches' activations alive), 1f1b (at most S), interleaved (V layer
-    # chunks per device: bubble (S-1)/(V*M+S-1))
+    # gpipe (M microbatches' activations alive), 1f1b (one, the forward run twice),
+    # interleaved (V layer chunks per device: bubble (S-1)/(V*M+S-1))
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved"] = "gpipe"
     virtual_stages: int = 2  # interleaved: layer chunks per device (V)
     # ZeRO-1: AdamW's moments split over data, parameters whole: the gradient

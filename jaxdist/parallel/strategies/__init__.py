@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxdist.errors import ConfigError
-from jaxdist.parallel.device_mesh import DATA, batch_shards
+from jaxdist.parallel.device_mesh import DATA, SEQ, batch_shards
 from jaxdist.parallel.layout import Layout
 
 NAMES = ("pmap", "shard_map", "gspmd")
@@ -47,12 +47,25 @@ def layout(name: str, mesh: Mesh, rules=(), logical_rules=None, shard_optimizer=
         axes = ",".join(f"{a}={n}" for a, n in beyond_data.items())
         raise ConfigError(
             f"strategy pmap: the mesh has axes beyond data ({axes}); pmap only splits the "
-            "batch over data. Use --strategy gspmd (or shard_map) for fsdp, model or stage axes"
+            "batch over data. Use --strategy gspmd (or shard_map) for fsdp, model, stage or "
+            "seq axes"
         )
+    _check_seq(mesh)
     if name == "pmap":  # (N, ...): device d holds row d
         return Layout(mesh, copies=mesh.size)
     return Layout(mesh, rules=tuple(rules or ()), logical_rules=logical_rules,
                   shard_optimizer=shard_optimizer)  # fmt: skip
+
+
+def _check_seq(mesh: Mesh) -> None:
+    """A seq axis with stages: attention's shard_map over seq inside the pipeline's over
+    stage does not lower (Shardy: "manual axis seq after free axis stage")."""
+    seq, stages = mesh.shape.get(SEQ, 1), mesh.shape.get("stage", 1)
+    if seq > 1 and stages > 1:
+        raise ConfigError(
+            f"--mesh seq={seq} with stage={stages}: pipeline stages do not run a sequence "
+            "split over seq; use seq or stage, not both"
+        )
 
 
 def wants_per_replica(name: str, mesh: Mesh, grad_accum: int, has_batch_stats: bool) -> bool:

@@ -18,13 +18,18 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.parallel.device_mesh import batch_spec
+from jaxdist.parallel.device_mesh import SEQ, batch_spec, traced_in
 
 
 def wire(build, mesh, state_sharding, per_replica=None):
     """``build(per_replica) -> (train_step, eval_step)`` -> the two jitted programs."""
     train_step, eval_step = build(per_replica)
     replicated, batch = NamedSharding(mesh, P()), NamedSharding(mesh, batch_spec(mesh))
+    if mesh.shape.get(SEQ, 1) > 1:
+        # Each batch array in the layout shard_batch gave it (its sequence split over seq
+        # where seq divides it), and the mesh ambient for jaxdist.attention.
+        batch = None
+        train_step, eval_step = traced_in(mesh, train_step), traced_in(mesh, eval_step)
     step = jax.jit(
         train_step,
         in_shardings=(state_sharding, batch),

@@ -111,8 +111,8 @@ class PerReplica:
         keep = getattr(apply, "policy", jax.checkpoint_policies.everything_saveable)
         never = jax.checkpoint_policies.save_anything_except_these_names(_GATHERED)
 
-        def policy(*args, **params):
-            return keep(*args, **params) and never(*args, **params)
+        def policy(*args, **params):  # keep's answer last: an Offloadable passes through
+            return never(*args, **params) and keep(*args, **params)
 
         def gathered(layer, h):
             return run(jax.tree.map(_gather_marked, layer, is_leaf=_is_variable), h)

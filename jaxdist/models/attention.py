@@ -1,0 +1,148 @@
+"""Attention that runs split over the ``seq`` mesh axis: ``attention(q, k, v)``.
+
+Sequence parallelism splits activations (B, T, D) along T over ``seq``: each of the S
+devices of a seq group holds T/S positions of every row. Everything in a transformer
+block but attention works on each position alone, so only attention must see the other
+devices' keys and values. This function does that; a model opts in with one line::
+
+    # before: att = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    att = jaxdist.attention(q, k, v, causal=True)
+
+q, k, v are (B, T, H, D/H), as ``jax.nn.dot_product_attention`` takes them. Without a
+mesh, or with seq = 1, it *is* that call (``implementation`` passed on). Under a mesh with
+seq = S > 1 (the ambient one: ``jax.sharding.get_abstract_mesh()``, which jaxdist's step
+sets, and which ``jax.set_mesh`` or a ``shard_map`` set for a user's own code) it runs
+inside a ``jax.shard_map`` manual over ``seq`` only; the batch, heads (``model``) and
+any other axes stay with the compiler. Two ways (``seq_attention``):
+
+- ``"gather"``: all-gather the keys and values over seq, (B, T/S, H, D/H) -> (B, T, ...),
+  and attend each device's T/S queries to all T with the causal offset of its block:
+  query i of device r sits at position r T/S + i. Simple; K and V whole on every device.
+- ``"ring"``: the K/V blocks travel round the seq group with ``lax.ppermute``, S - 1 hops,
+  and each device folds block after block into an online softmax (a running max and sum
+  per query, as flash attention does): the forward pass holds two K/V blocks at a time
+  (the backward pass keeps each hop's, as gather keeps all). The next block's send is
+  issued before the current block's arithmetic, so the compiler may overlap them.
+  Causal: the diagonal block is masked, blocks from later positions are skipped
+  (``lax.cond``: no arithmetic), earlier ones attend unmasked.
+
+T must divide by S (a ``ConfigError`` names both). In the split paths the arithmetic is
+XLA's (float32 logits and softmax statistics, as ``jax.nn.dot_product_attention``'s XLA
+path): a fused kernel (``implementation="cudnn"``) is only used unsplit.
+
+A model that calls ``jax.nn.dot_product_attention`` itself still trains under a seq
+axis, with the same numbers, but nothing is split: XLA keeps its sequence whole over seq
+(each of the S devices computes every position of its rows), and where the batch itself
+arrives split along T (``shard_batch`` of (B, T) tokens) XLA all-gathers it first. Its
+memory per device is what it would be without the seq axis.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.errors import ConfigError
+
+SEQ = "seq"  # the mesh axis (jaxdist.parallel.device_mesh.AXES)
+WAYS = ("ring", "gather")
+
+
+def attention(q, k, v, *, causal: bool = True, seq_attention: str = "ring",
+              implementation=None):  # fmt: skip
+    """Softmax attention of q (B, T, H, Dh) over k, v (B, T, H, Dh) -> (B, T, H, Dh),
+    split over the ambient mesh's ``seq`` axis when it has one (see the module)."""
+    if seq_attention not in WAYS:
+        raise ConfigError(f"seq_attention: {seq_attention!r} is not one of {', '.join(WAYS)}")
+    mesh = jax.sharding.get_abstract_mesh()
+    seq = 1 if mesh.empty else dict(mesh.shape).get(SEQ, 1)
+    if seq == 1:
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation=implementation
+        )
+    way = _ring_local if seq_attention == "ring" else _gather_local
+    local = functools.partial(way, causal=causal)
+    if SEQ in mesh.manual_axes:  # already per device (a user's shard_map over seq)
+        return local(q, k, v)
+    t = q.shape[1]
+    if t % seq:
+        raise ConfigError(
+            f"attention over seq={seq}: the sequence of {t} positions does not split into "
+            f"{seq} equal blocks; use a sequence length divisible by {seq}"
+        )
+    spec = P(None, SEQ)  # (B, T, H, Dh): T over seq; the rest left to the compiler
+    run = jax.shard_map(
+        local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names={SEQ}
+    )
+    return run(q, k, v)
+
+
+def _logits(q, k):
+    """(B, Tq, H, Dh) x (B, Tk, H, Dh) -> (B, H, Tq, Tk) float32, scaled by 1/sqrt(Dh)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+
+
+def _causal_mask(tq: int, tk: int, q_start, k_start):
+    """(Tq, Tk): True where key position k_start + j is at or before q_start + i."""
+    q_pos = q_start + jnp.arange(tq)
+    k_pos = k_start + jnp.arange(tk)
+    return q_pos[:, None] >= k_pos[None, :]
+
+
+def _gather_local(q, k, v, *, causal: bool):
+    """One device's T/S queries against all T keys, gathered over seq."""
+    k_all = lax.all_gather(k, SEQ, axis=1, tiled=True)  # (B, T, H, Dh)
+    v_all = lax.all_gather(v, SEQ, axis=1, tiled=True)
+    tq = q.shape[1]
+    mask = None
+    if causal:  # query i of device r is position r Tq + i
+        mask = _causal_mask(tq, k_all.shape[1], lax.axis_index(SEQ) * tq, 0)[None, None]
+    return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask, implementation="xla")
+
+
+def _fold(state, q, k, v, mask=None):
+    """The online softmax: ``state`` = (running max (B, H, Tq), running sum (B, H, Tq),
+    unnormalised output (B, Tq, H, Dh), float32) with one more K/V block folded in."""
+    logits = _logits(q, k)  # (B, H, Tq, Tk)
+    if mask is not None:
+        logits = jnp.where(mask, logits, -jnp.inf)
+    block_max = logits.max(-1)
+    if state is None:  # the first block (the diagonal one: every row has a key)
+        top, rescale = block_max, None
+    else:
+        top = jnp.maximum(state[0], block_max)
+        rescale = jnp.exp(state[0] - top)  # (B, H, Tq): the old terms at the new max
+    p = jnp.exp(logits - top[..., None])
+    total = p.sum(-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32))
+    if rescale is not None:
+        total = total + state[1] * rescale
+        out = out + state[2] * rescale.transpose(0, 2, 1)[..., None]
+    return top, total, out
+
+
+def _ring_local(q, k, v, *, causal: bool):
+    """One device's queries against every K/V block, the blocks passed round the ring:
+    at hop s device r holds the block of device (r - s) mod S."""
+    size, me = lax.axis_size(SEQ), lax.axis_index(SEQ)
+    forward = [(i, (i + 1) % size) for i in range(size)]
+    tq = q.shape[1]
+    mask = _causal_mask(tq, tq, 0, 0)[None, None] if causal else None
+    arriving = lax.ppermute((k, v), SEQ, forward)  # in flight during the diagonal block
+    state = _fold(None, q, k, v, mask)  # hop 0: its own block, the diagonal
+    for hop in range(1, size):
+        k, v = arriving
+        if hop + 1 < size:  # the next block's send, issued before this block's arithmetic
+            arriving = lax.ppermute((k, v), SEQ, forward)
+        if causal:  # block (r - hop) mod S is earlier than r iff hop <= r; else skipped
+            state = lax.cond(hop <= me, lambda s, k=k, v=v: _fold(s, q, k, v), lambda s: s, state)
+        else:
+            state = _fold(state, q, k, v)
+    _, total, out = state
+    return (out / total.transpose(0, 2, 1)[..., None]).astype(q.dtype)
