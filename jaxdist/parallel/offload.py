@@ -70,7 +70,8 @@ def _check_platform(wanted: set[str], mesh) -> None:
     if wanted and HOST not in kinds:
         raise ConfigError(
             f"--offload {','.join(sorted(wanted))}: {device.platform} devices have no "
-            f"{HOST} memory (only {', '.join(sorted(kinds))}; jax {jax.__version__})"
+            f"{HOST} memory (they report {', '.join(sorted(kinds)) or 'none'}; jax "
+            f"{jax.__version__}; the planner's devices described by a topology report none)"
         )
     if ACTIVATIONS in wanted and device.platform not in MOVES_LOWERED:
         raise ConfigError(

@@ -121,6 +121,7 @@ def state_bytes(config: Config) -> tuple[float, float]:
     one = copy.deepcopy(config)
     one.train.mesh, one.train.num_devices, one.train.grad_accum = "", 0, 1
     one.train.global_batch_size = 1
+    one.train.offload, one.train.shard_optimizer = "", False  # options of a mesh: none here
     _, program, _ = build(one, jax.devices()[:1])
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.state))
     params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.state.params))
