@@ -16,11 +16,12 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
+import adamw_reference
 import jaxdist
+from adamw_reference import loss_fn, tx
 from helpers import relative_error, small_config
 from jaxdist.losses import next_token_loss
 from jaxdist.models import GPT, Stack
@@ -40,21 +41,8 @@ class MLP(nnx.Module):
         return self.b(nnx.relu(self.a(x)))
 
 
-def loss_fn(model, batch):
-    logits = model(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-
 def batches():
-    rng = np.random.default_rng(0)
-    return [
-        {"x": rng.normal(size=(ROWS, 64)).astype(np.float32), "y": rng.integers(0, 10, ROWS)}
-        for _ in range(STEPS)
-    ]
-
-
-def tx():
-    return optax.adamw(1e-2, weight_decay=0.1)
+    return adamw_reference.batches(STEPS, ROWS)
 
 
 def jaxdist_run(mesh_axes: dict, **options):
@@ -69,21 +57,7 @@ def jaxdist_run(mesh_axes: dict, **options):
 
 def plain_loop():
     """One device, plain flax + optax."""
-    graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
-    opt, opt_state = tx(), tx().init(params)
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    losses = []
-    for batch in batches():
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
-    flat = {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(params)}
-    return losses, flat
+    return adamw_reference.plain_loop(lambda: MLP(nnx.Rngs(0)), STEPS)
 
 
 def assert_same(run, want, tolerance):

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
+import adamw_reference
 import jaxdist
+from adamw_reference import loss_fn, tx
 from helpers import relative_error
 from jaxdist.plan import Options
 from jaxdist.plan.hlo import read_program
@@ -31,21 +32,8 @@ class MLP(nnx.Module):
         return self.c(nnx.relu(self.b(nnx.relu(self.a(x)))))
 
 
-def loss_fn(model, batch):
-    logits = model(batch["x"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
-
-
 def batches():
-    rng = np.random.default_rng(0)
-    return [
-        {"x": rng.normal(size=(ROWS, 64)).astype(np.float32), "y": rng.integers(0, 10, ROWS)}
-        for _ in range(STEPS)
-    ]
-
-
-def tx():
-    return optax.adamw(1e-2, weight_decay=0.1)
+    return adamw_reference.batches(STEPS, ROWS)
 
 
 def jaxdist_run(shard_optimizer: bool, mesh_shape=None, **options):
@@ -63,22 +51,7 @@ def jaxdist_run(shard_optimizer: bool, mesh_shape=None, **options):
 
 def plain_loop():
     """One device, plain flax + optax."""
-    model = MLP(nnx.Rngs(0))
-    graphdef, params = nnx.split(model, nnx.Param)
-    opt, opt_state = tx(), tx().init(params)
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    losses = []
-    for batch in batches():
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
-    flat = {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(params)}
-    return losses, flat
+    return adamw_reference.plain_loop(lambda: MLP(nnx.Rngs(0)), STEPS)
 
 
 @pytest.fixture(scope="module")
