@@ -84,8 +84,18 @@ SHARDED = [layout for layout in matrix.LAYOUTS if layout != "data=8"]
 ELASTIC_HERE = ["stage=2,fsdp=2,model=2", "2 procs x 4: fsdp=2,model=4"]
 
 
-@pytest.mark.xdist_group("matrix")  # one worker: the 1-device references are run once
-@pytest.mark.parametrize("layout", SHARDED)
+# Two workers' groups of about 4 minutes each (a group's 1-device references are run once
+# in its worker): the stage layouts with the 2-process one, and the others.
+SECOND_GROUP = {"stage=2,data=4", "stage=2,fsdp=2,model=2", "2 procs x 4: fsdp=2,model=4"}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(x, marks=pytest.mark.xdist_group("matrix2" if x in SECOND_GROUP else "matrix"))
+        for x in SHARDED
+    ],
+)
 def test_every_feature_runs_and_matches_its_reference(runs, layout):
     found = covering(runs, layout, elastic=layout in ELASTIC_HERE)
     want = ALL if layout in ELASTIC_HERE else [f for f in ALL if f != "elastic resume"]
