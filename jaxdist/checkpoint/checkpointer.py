@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxdist.checkpoint import io_errors
+from jaxdist.checkpoint import io_errors, orbax_items
 from jaxdist.errors import ConfigError, JaxdistError
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
@@ -105,6 +105,7 @@ class Checkpointer:
         ocp = self._ocp
         return ocp.CheckpointManager(
             self.directory,
+            item_handlers=orbax_items.handlers(),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=self._keep, enable_async_checkpointing=True, create=True
             ),
@@ -125,14 +126,10 @@ class Checkpointer:
             "fingerprints": fingerprints(arrays),
             **(extra or {}),
         }
-        args = self._ocp.args
         self.wait()  # orbax would wait too: a failure of the previous save is named as its
         self.writing = (step, time.monotonic())
         with self._failing(step):
-            self._manager.save(
-                step,
-                args=args.Composite(state=args.StandardSave(arrays), meta=args.JsonSave(meta)),
-            )
+            self._manager.save(step, args=orbax_items.save(arrays, meta))
         return time.perf_counter() - started
 
     def wait(self) -> None:
@@ -181,9 +178,7 @@ class Checkpointer:
         self._manager.close()
 
     def read_meta(self, step: int) -> dict:
-        args = self._ocp.args
-        restored = self._manager.restore(step, args=args.Composite(meta=args.JsonRestore()))
-        return restored["meta"]
+        return self._manager.restore(step, args=orbax_items.restore_meta())["meta"]
 
     def restore(self, target: dict | list[dict], step: int | None = None):
         """The newest (or the given) checkpoint whose arrays pass their fingerprints, as
@@ -216,11 +211,8 @@ class Checkpointer:
 
     def _read_verified(self, step: int, target: dict, meta: dict):
         """(arrays, None) or (None, what is wrong), the same on every process."""
-        args = self._ocp.args
         try:
-            restored = self._manager.restore(
-                step, args=args.Composite(state=args.StandardRestore(target))
-            )["state"]
+            restored = self._manager.restore(step, args=orbax_items.restore_state(target))["state"]
             problem = None
         except Exception as err:  # a truncated or unreadable file
             restored, problem = None, _unreadable(step, self.directory, err, meta["tree"])
