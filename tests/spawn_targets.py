@@ -4,6 +4,7 @@ import them by module and name."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -86,4 +87,15 @@ def fail_on(rank: int, bad_rank: int, pid_dir: str) -> None:
 
 def wait_for_ever(rank: int, pid_dir: str) -> None:
     record_pid(pid_dir, rank)
+    time.sleep(600)
+
+
+def exit_on(rank: int, bad_rank: int, pid_dir: str) -> None:
+    """Rank ``bad_rank`` calls ``sys.exit(3)`` once every pid is recorded; the others wait
+    for ever (in Python, after initialize)."""
+    record_pid(pid_dir, rank)
+    if rank == bad_rank:
+        while len(list(Path(pid_dir).iterdir())) < jax.process_count():
+            time.sleep(0.05)
+        sys.exit(3)
     time.sleep(600)

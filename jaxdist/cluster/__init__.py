@@ -1,10 +1,11 @@
-"""The process group: where it comes from (flags, SLURM, the environment), joining it
-(``initialize``), its key-value store, dead peers, preemption, and how a process of it
+"""The process group: where it comes from (a scheduler, flags, the environment), joining
+it (``initialize``), its key-value store, dead peers, preemption, and how a process of it
 ends (one fixed exit code per cause, ``failures.py``).
 
-Open ``environment.py`` to see how SLURM, torchrun-style variables or flags become a
-process group, ``process_group.py`` for ``initialize``, ``peers.py`` for how a dead peer
-is detected and named, ``preemption.py`` for SIGUSR1/SIGTERM, ``failures.py`` for the
+Open ``environment.py`` to see how SLURM, Open MPI, Kubernetes, flags, ``JAXDIST_*`` or
+torchrun-style variables become a process group (``sources.py`` reads the schedulers'),
+``process_group.py`` for ``initialize``, ``peers.py`` for how a dead peer is detected
+and named, ``preemption.py`` for SIGUSR1/SIGTERM, ``failures.py`` for the
 exit codes and ``failures.jsonl``, ``shutdown.py`` for the exit paths themselves.
 """
 

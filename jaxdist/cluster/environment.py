@@ -1,83 +1,47 @@
-"""Where the process group comes from: explicit flags, SLURM, the environment, or nothing.
+"""Where the process group comes from: a scheduler, explicit flags, the environment, or nothing.
 
 A pure function of the flags and the environment, so it is testable without processes.
 The first that applies wins:
 
-1. a SLURM job step with more than one task: JAX's own SLURM detection (explicit flags
-   as well are an error: SLURM already says who is who);
-2. explicit arguments (``--coordinator HOST:PORT --num-processes N --process-id I``);
-3. environment: ``JAXDIST_COORDINATOR``, ``JAXDIST_NUM_PROCESSES``, ``JAXDIST_PROCESS_ID``
-   (what ``python -m jaxdist.launch`` sets), or PyTorch's ``MASTER_ADDR``, ``MASTER_PORT``,
-   ``WORLD_SIZE``, ``RANK`` (and ``LOCAL_RANK``: one process per GPU);
-4. a single process, no coordinator.
+1. SLURM: a job step with more than one task (JAX's own SLURM detection);
+2. Open MPI: a rank of ``mpirun``/``mpiexec -np N``, N > 1 (``OMPI_COMM_WORLD_SIZE``,
+   ``OMPI_COMM_WORLD_RANK``), the coordinator derived as JAX derives it;
+3. Kubernetes: a pod of an Indexed Job or a JobSet (``JOB_COMPLETION_INDEX``), the
+   group's size and coordinator from the manifest (``JAXDIST_NUM_PROCESSES``,
+   ``JAXDIST_COORDINATOR``; k8s/);
+4. explicit arguments (``--coordinator HOST:PORT --num-processes N --process-id I``);
+5. ``JAXDIST_COORDINATOR``, ``JAXDIST_NUM_PROCESSES``, ``JAXDIST_PROCESS_ID`` (what
+   ``python -m jaxdist.launch`` sets);
+6. PyTorch's ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` (and
+   ``LOCAL_RANK``: one process per GPU);
+7. a single process, no coordinator.
+
+``process_group="single"`` (``--process-group single``) skips them all: one process.
+A scheduler already says who is who, so ``--num-processes``/``--process-id`` beside one
+are an error, and so is ``--coordinator`` under SLURM (under Open MPI and Kubernetes it
+replaces the coordinator, as ``JAXDIST_COORDINATOR`` does). Variables that say "several
+processes" but cannot form the group are an error naming them, never a silent single
+process. Open MPI and Kubernetes step aside for a launcher run inside them that gave its
+processes their own ids (``JAXDIST_PROCESS_ID`` or ``RANK`` set). Each scheduler's
+variables are read in ``sources.py``.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 
+from jaxdist.cluster import sources
+from jaxdist.cluster.sources import ClusterSpec, env_int, in_range, parse_device_ids
 from jaxdist.errors import JaxdistError
 
+__all__ = ["ClusterSpec", "parse_device_ids", "resolve"]
 
-@dataclass(frozen=True)
-class ClusterSpec:
-    source: str  # "flags", "slurm", "env", "torch-env" or "single"
-    coordinator: str | None = None  # HOST:PORT; None for slurm (JAX finds it) and single
-    num_processes: int = 1
-    process_id: int = 0
-    local_device_ids: tuple[int, ...] | None = None  # None: every local device
-
-    @property
-    def multi_process(self) -> bool:
-        return self.source != "single"
-
-
-def parse_device_ids(text: str, what: str) -> tuple[int, ...] | None:
-    if not text:
-        return None
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise JaxdistError(f"{what}: {text!r} is not a comma-separated list of integers") from None
-
-
-def _int(env: Mapping[str, str], name: str) -> int:
-    try:
-        return int(env[name])
-    except ValueError:
-        raise JaxdistError(f"environment {name}={env[name]!r} is not an integer") from None
-
-
-def _checked(spec: ClusterSpec) -> ClusterSpec:
-    if spec.num_processes < 1 or not 0 <= spec.process_id < spec.num_processes:
-        raise JaxdistError(
-            f"process id {spec.process_id} is not in [0, {spec.num_processes}) (from {spec.source})"
-        )
-    if spec.coordinator is not None and ":" not in spec.coordinator:
-        raise JaxdistError(
-            f"coordinator {spec.coordinator!r} (from {spec.source}) is not HOST:PORT"
-        )
-    return spec
-
-
-def _slurm_tasks(env: Mapping[str, str]) -> int:
-    needed = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
-    if not all(name in env for name in needed):
-        return 0
-    return _int(env, "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS")
-
-
-def _slurm_node_devices(env: Mapping[str, str]) -> tuple[int, ...] | None:
-    """Every GPU of the node when the step runs one task per node. JAX's own default under
-    SLURM is GPU number SLURM_LOCALID, i.e. one GPU per task: right for 8 tasks per node,
-    but one task per node would then use 1 GPU of 8."""
-    per_node = re.findall(r"(\d+)(?:\(x\d+\))?", env.get("SLURM_STEP_TASKS_PER_NODE", ""))
-    gpus = env.get("SLURM_GPUS_ON_NODE", "")
-    if per_node and set(per_node) == {"1"} and gpus.isdigit() and int(gpus) > 1:
-        return tuple(range(int(gpus)))  # e.g. "1(x8)" with 8 GPUs -> (0, ..., 7)
-    return None
+SCHEDULERS = {
+    "slurm": "a SLURM job step of {} tasks",
+    "openmpi": "an Open MPI job of {} processes",
+    "kubernetes": "a Kubernetes job of {} pods",
+    "single": "a Kubernetes job of {} pod",  # sources.kubernetes: JAXDIST_NUM_PROCESSES=1
+}
 
 
 def resolve(
@@ -86,56 +50,111 @@ def resolve(
     num_processes: int = 0,
     process_id: int = -1,
     local_device_ids: str = "",
+    process_group: str = "auto",
 ) -> ClusterSpec:
     device_ids = parse_device_ids(local_device_ids, "--local-device-ids")
+    got = (
+        f"(got coordinator={coordinator!r}, num-processes={num_processes}, process-id={process_id})"
+    )
     flags_given = bool(coordinator or num_processes or process_id >= 0)
-    slurm_tasks = _slurm_tasks(env)
-    if slurm_tasks > 1:
+    if process_group == "single":
         if flags_given:
             raise JaxdistError(
-                f"this is a SLURM job step of {slurm_tasks} tasks, which sets up the process "
-                "group itself; drop --coordinator/--num-processes/--process-id (got "
-                f"coordinator={coordinator!r}, num-processes={num_processes}, "
-                f"process-id={process_id})"
+                "--process-group single is one process: drop --coordinator/--num-processes/"
+                f"--process-id {got}"
             )
-        return ClusterSpec(
-            "slurm",
-            num_processes=slurm_tasks,
-            process_id=_int(env, "SLURM_PROCID"),
-            local_device_ids=device_ids or _slurm_node_devices(env),
-        )
+        return ClusterSpec("single", local_device_ids=device_ids)
+    if process_group != "auto":
+        raise JaxdistError(f"process group {process_group!r}: expected auto or single")
+    spec = (
+        _slurm(env, device_ids)
+        or sources.openmpi(env, coordinator, device_ids)
+        or sources.kubernetes(env, coordinator, device_ids)
+    )
+    if spec is not None:
+        return _scheduler_checked(spec, coordinator, num_processes, process_id, got)
     if flags_given:
         if not (coordinator and num_processes and process_id >= 0):
             raise JaxdistError(
-                "--coordinator, --num-processes and --process-id go together; got "
-                f"coordinator={coordinator!r}, num-processes={num_processes}, "
-                f"process-id={process_id}"
+                f"--coordinator, --num-processes and --process-id go together; {got}"
             )
         return _checked(ClusterSpec("flags", coordinator, num_processes, process_id, device_ids))
-    if "JAXDIST_COORDINATOR" in env:
-        ids = device_ids or parse_device_ids(
-            env.get("JAXDIST_LOCAL_DEVICE_IDS", ""), "JAXDIST_LOCAL_DEVICE_IDS"
+    spec = _launcher_env(env, device_ids) or _torch_env(env, device_ids)
+    return _checked(spec) if spec else ClusterSpec("single", local_device_ids=device_ids)
+
+
+def _slurm(env: Mapping[str, str], device_ids) -> ClusterSpec | None:
+    tasks = sources.slurm_tasks(env)
+    if tasks < 2:
+        return None
+    return ClusterSpec(
+        "slurm",
+        num_processes=tasks,
+        process_id=env_int(env, "SLURM_PROCID"),
+        local_device_ids=device_ids or sources.slurm_node_devices(env),
+    )
+
+
+def _scheduler_checked(spec: ClusterSpec, coordinator, num_processes, process_id, got: str):
+    """The flags beside a scheduler: none under SLURM (JAX picks the coordinator), only
+    ``--coordinator`` under Open MPI and Kubernetes."""
+    what = "this is " + SCHEDULERS[spec.source].format(spec.num_processes)
+    if spec.source == "slurm" and (coordinator or num_processes or process_id >= 0):
+        raise JaxdistError(
+            f"{what}, which sets up the process group itself; drop "
+            f"--coordinator/--num-processes/--process-id {got}"
         )
-        return _checked(
-            ClusterSpec(
-                "env",
-                env["JAXDIST_COORDINATOR"],
-                _int(env, "JAXDIST_NUM_PROCESSES"),
-                _int(env, "JAXDIST_PROCESS_ID"),
-                ids,
+    if num_processes or process_id >= 0:
+        raise JaxdistError(
+            f"{what}, which says who is who; drop --num-processes/--process-id {got} "
+            "(--coordinator HOST:PORT alone may replace its coordinator)"
+        )
+    return _checked(spec) if spec.coordinator else spec
+
+
+def _launcher_env(env: Mapping[str, str], device_ids) -> ClusterSpec | None:
+    if "JAXDIST_COORDINATOR" not in env:
+        count = env_int(env, "JAXDIST_NUM_PROCESSES") if "JAXDIST_NUM_PROCESSES" in env else 1
+        if count > 1:
+            raise JaxdistError(
+                f"JAXDIST_NUM_PROCESSES={count} without JAXDIST_COORDINATOR: set it to process "
+                "0's HOST:PORT, with JAXDIST_PROCESS_ID"
             )
-        )
-    if "MASTER_ADDR" in env and "WORLD_SIZE" in env:
-        ids = device_ids
-        if ids is None and "LOCAL_RANK" in env:
-            ids = (_int(env, "LOCAL_RANK"),)  # torchrun: one process per GPU
-        return _checked(
-            ClusterSpec(
-                "torch-env",
-                f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}",
-                _int(env, "WORLD_SIZE"),
-                _int(env, "RANK"),
-                ids,
+        return None
+    where = f"JAXDIST_COORDINATOR={env['JAXDIST_COORDINATOR']}"
+    count = env_int(env, "JAXDIST_NUM_PROCESSES", where)
+    process_id = env_int(env, "JAXDIST_PROCESS_ID", where)
+    in_range(process_id, count, f"JAXDIST_PROCESS_ID={process_id}, JAXDIST_NUM_PROCESSES={count}")
+    ids = device_ids or parse_device_ids(
+        env.get("JAXDIST_LOCAL_DEVICE_IDS", ""), "JAXDIST_LOCAL_DEVICE_IDS"
+    )
+    return ClusterSpec("env", env["JAXDIST_COORDINATOR"], count, process_id, ids)
+
+
+def _torch_env(env: Mapping[str, str], device_ids) -> ClusterSpec | None:
+    if "WORLD_SIZE" not in env:
+        return None
+    size = env_int(env, "WORLD_SIZE")
+    if "MASTER_ADDR" not in env:
+        if size > 1:
+            raise JaxdistError(
+                f"PyTorch's WORLD_SIZE={size} without MASTER_ADDR: set MASTER_ADDR (and "
+                "MASTER_PORT, default 29500) to process 0's host, and RANK"
             )
+        return None
+    rank = env_int(env, "RANK", f"PyTorch's WORLD_SIZE={size}")
+    in_range(rank, size, f"PyTorch's RANK={rank}, WORLD_SIZE={size}")
+    ids = device_ids
+    if ids is None and "LOCAL_RANK" in env:
+        ids = (env_int(env, "LOCAL_RANK"),)  # torchrun: one process per GPU
+    coordinator = f"{env['MASTER_ADDR']}:{env.get('MASTER_PORT', '29500')}"
+    return ClusterSpec("torch-env", coordinator, size, rank, ids)
+
+
+def _checked(spec: ClusterSpec) -> ClusterSpec:
+    in_range(spec.process_id, spec.num_processes, f"from {spec.source}")
+    if ":" not in spec.coordinator:
+        raise JaxdistError(
+            f"coordinator {spec.coordinator!r} (from {spec.source}) is not HOST:PORT"
         )
-    return ClusterSpec("single", local_device_ids=device_ids)
+    return spec

@@ -103,7 +103,9 @@ def _join(
     )
     if spec.source == "slurm":
         jax.distributed.initialize(**kwargs)  # JAX reads SLURM's environment itself
-    else:
+    else:  # the group is decided; JAX's own detection (mpirun, SLURM) would narrow the
+        # devices of a process given none to one GPU, its local rank's
+        kwargs["cluster_detection_method"] = "deactivate"
         jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id, **kwargs)
     watchdog.cancel()
     peers.joined(store.coordinator_address())
@@ -122,17 +124,20 @@ def initialize(
     heartbeat_timeout: float = 100,
     coordinator_bind_address: str = "",
     health: bool = True,
+    process_group: str = "auto",
 ) -> ProcessInfo:
     """Sets up the process group and returns who we are. Call once, before other JAX use.
 
-    Where the group comes from, first that applies (see ``jaxdist.cluster``): a SLURM step
-    with several tasks; the explicit arguments; ``JAXDIST_COORDINATOR`` /
-    ``JAXDIST_NUM_PROCESSES`` / ``JAXDIST_PROCESS_ID`` (set by ``python -m jaxdist.launch``)
-    or PyTorch's ``MASTER_ADDR`` / ``MASTER_PORT`` / ``WORLD_SIZE`` / ``RANK`` /
-    ``LOCAL_RANK``; else one process. ``cpu_devices=8`` emulates 8 CPU devices per process;
-    ``JAXDIST_PLATFORM`` picks the platform. CPU processes talk through gloo. In a group,
-    SIGTERM then ends the process at once with exit code 143, as it would without JAX,
-    unless a ``jaxdist.cluster.preemption.StopFlag`` takes it as a request to stop cleanly.
+    Where the group comes from, first that applies (``jaxdist.cluster.environment``): a
+    SLURM step with several tasks; ``mpirun``; a Kubernetes Indexed Job or JobSet; the
+    explicit arguments; ``JAXDIST_COORDINATOR`` / ``JAXDIST_NUM_PROCESSES`` /
+    ``JAXDIST_PROCESS_ID`` (set by ``python -m jaxdist.launch``) or PyTorch's
+    ``MASTER_ADDR`` / ``MASTER_PORT`` / ``WORLD_SIZE`` / ``RANK`` / ``LOCAL_RANK``; else one
+    process. ``process_group="single"``: one process whatever the environment says.
+    ``cpu_devices=8`` emulates 8 CPU devices per process; ``JAXDIST_PLATFORM`` picks the
+    platform. CPU processes talk through gloo. In a group, SIGTERM then ends the process at
+    once with exit code 143, as it would without JAX, unless a
+    ``jaxdist.cluster.preemption.StopFlag`` takes it as a request to stop cleanly.
 
     Process 0's coordination service listens on ``coordinator_bind_address``, else on
     the address of the coordinator host given (not on every interface, JAX's default:
@@ -146,7 +151,9 @@ def initialize(
         print(info)  # process 0/2: 4 local of 8 cpu devices
     """
     select_platform(os.environ.get("JAXDIST_PLATFORM"))
-    spec = environment.resolve(os.environ, coordinator, num_processes, process_id, local_device_ids)
+    spec = environment.resolve(
+        os.environ, coordinator, num_processes, process_id, local_device_ids, process_group
+    )
     use_cpu_devices(cpu_devices, spec.num_processes)
     if spec.multi_process and not jax.distributed.is_initialized():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -13,6 +13,9 @@ implementation behind ``python -m jaxdist.launch`` and ``jaxdist.spawn``.
   ``kill -9`` of us included); a guard process SIGKILLs every rank's process group when
   its pipe from us closes without a goodbye, which also reaches the ranks' children and
   works where prctl does not exist.
+* Several machines: the group is this machine's share of a larger one
+  (``placement.Placement``), prefixes and messages show global ranks, and another
+  machine's failure interrupts the wait (``interrupt``; ``jaxdist.launch.nodes``).
 """
 
 from __future__ import annotations
@@ -22,97 +25,41 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 from jaxdist.cluster import failures
 from jaxdist.launch import orphans, stop_signals
+from jaxdist.launch.exits import Elsewhere, Exit
+from jaxdist.launch.placement import Placement, free_port, rank_env
 from jaxdist.launch.rank_output import Output, forward
+
+__all__ = ["Elsewhere", "Exit", "Group", "Placement", "free_port", "rank_env", "run"]
 
 KILL_WAIT_S = 5.0  # after SIGKILL: time for the kernel to tear the processes down
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def rank_env(
-    rank: int,
-    nproc: int,
-    port: int,
-    *,
-    cpu_devices_per_proc: int = 0,
-    gpus_per_proc: int = 0,
-    failure_dir: str = "",
-) -> dict[str, str]:
-    """The environment ``jaxdist.initialize()`` reads to join the group (``jaxdist.cluster``)."""
-    env = dict(os.environ)
-    env.update(
-        JAXDIST_COORDINATOR=f"127.0.0.1:{port}",
-        JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}",  # loopback only, not [::]
-        JAXDIST_NUM_PROCESSES=str(nproc),
-        JAXDIST_PROCESS_ID=str(rank),
-        PYTHONUNBUFFERED="1",  # lines arrive as they are printed, not at exit
-    )
-    if failure_dir:  # where a failing rank says who is to blame (jaxdist.cluster.failures)
-        env[failures.LAUNCHER_DIR] = failure_dir
-    if cpu_devices_per_proc:
-        env.update(JAXDIST_PLATFORM="cpu", JAX_NUM_CPU_DEVICES=str(cpu_devices_per_proc))
-    if gpus_per_proc:
-        first = rank * gpus_per_proc
-        ids = range(first, first + gpus_per_proc)
-        env["JAXDIST_LOCAL_DEVICE_IDS"] = ",".join(map(str, ids))
-    return env
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-@dataclass(frozen=True)
-class Exit:
-    rank: int
-    returncode: int  # as subprocess reports it: -S for a death by signal S
-
-    @property
-    def code(self) -> int:
-        """As a shell reports it: 128 + S for a death by signal S."""
-        return 128 - self.returncode if self.returncode < 0 else self.returncode
-
-    @property
-    def preempted(self) -> bool:
-        return self.returncode == failures.PREEMPTED
-
-    def __str__(self) -> str:
-        if self.returncode == 0:
-            return f"rank {self.rank} finished"
-        if self.preempted:
-            return f"rank {self.rank} stopped for preemption (exit {failures.PREEMPTED})"
-        text = f"rank {self.rank} failed with exit code {self.code}"
-        if self.returncode < 0:
-            return f"{text}: it was killed by {signal_name(-self.returncode)}"
-        if self.returncode == failures.TERMINATED:  # jaxdist.initialize's SIGTERM handler
-            return f"{text}: it was ended by SIGTERM"
-        return text
-
-
 class Group:
-    """``nproc`` processes of ``command``, rank r with ``rank_env(r, ...)``."""
+    """``nproc`` processes of ``command``, process r with ``rank_env(r, place, ...)``.
+    ``watcher`` is called with each ``Exit`` as it happens (from a waiting thread)."""
 
-    def __init__(self, command: list[str], nproc: int, out: Output, **env_options):
-        self.out = out
-        self.exits: queue.SimpleQueue[Exit] = queue.SimpleQueue()
+    def __init__(
+        self,
+        command: list[str],
+        nproc: int,
+        out: Output,
+        place: Placement | None = None,
+        watcher: Callable[[Exit], None] | None = None,
+        **env_options,
+    ):
+        self.out, self.watcher = out, watcher
+        self.place = (place or Placement()).started(nproc)
+        self.exits: queue.SimpleQueue[Exit | Elsewhere] = queue.SimpleQueue()
         self.done: list[Exit] = []  # every exit so far, in the order they happened
         self.procs: list[subprocess.Popen] = []
         self.threads: list[threading.Thread] = []
@@ -125,12 +72,11 @@ class Group:
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # a Ctrl-C or hang-up of our terminal does not reach it
         )
-        port = free_port()
         self.failure_dir = tempfile.mkdtemp(prefix="jaxdist-failures-")
         env_options["failure_dir"] = self.failure_dir
         try:
             for rank in range(nproc):
-                self._start(rank, command, rank_env(rank, nproc, port, **env_options))
+                self._start(rank, command, rank_env(rank, self.place, **env_options))
         except BaseException:
             self.end(0)
             raise
@@ -150,7 +96,8 @@ class Group:
         )
         self.procs.append(proc)
         self._tell_guard(f"add {proc.pid}")
-        for target, args in ((forward, (rank, proc.stdout, self.out)), (self._reap, (rank, proc))):
+        shown = self.place.first_rank + rank
+        for target, args in ((forward, (shown, proc.stdout, self.out)), (self._reap, (rank, proc))):
             thread = threading.Thread(target=target, args=args, daemon=True)
             thread.start()
             self.threads.append(thread)
@@ -163,17 +110,23 @@ class Group:
             self.empty.add(proc.pid)
         except PermissionError:
             pass
-        self.done.append(Exit(rank, proc.returncode))
+        self.done.append(Exit(rank, proc.returncode, self.place.first_rank, self.place.node))
         self.exits.put(self.done[-1])
+        if self.watcher is not None:
+            self.watcher(self.done[-1])
+
+    def interrupt(self, event: Elsewhere) -> None:
+        """Another machine failed: ``first_failure`` returns ``event`` now."""
+        self.exits.put(event)
 
     def _tell_guard(self, line: str) -> None:
         with contextlib.suppress(OSError, ValueError):  # a guard killed by someone else
             self.guard.stdin.write(f"{line}\n".encode())
             self.guard.stdin.flush()
 
-    def first_failure(self, timeout: float | None = None) -> Exit | None:
+    def first_failure(self, timeout: float | None = None) -> Exit | Elsewhere | None:
         """Blocks until every process has exited 0 (None) or one has failed: the first
-        to fail, by time. Raises TimeoutError after ``timeout`` s."""
+        to fail, by time, or an ``interrupt``. Raises TimeoutError after ``timeout`` s."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for _ in self.procs:
             done = self._next_exit(deadline)
@@ -181,7 +134,7 @@ class Group:
                 return done
         return None
 
-    def _next_exit(self, deadline: float | None) -> Exit:
+    def _next_exit(self, deadline: float | None) -> Exit | Elsewhere:
         while True:
             try:
                 return self.exits.get(timeout=0.2)  # short waits: Ctrl-C gets through
@@ -227,12 +180,16 @@ class Group:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.guard.wait(timeout=KILL_WAIT_S)
 
-    def culprit(self, first: Exit) -> str:
+    def culprit(self, first: Exit | Elsewhere) -> str:
         """Who is to blame, when it is not ``first``: a rank that is stopped (SIGSTOP: it
-        cannot exit by itself), or the one its peers named (``failures.tell_launcher``)."""
-        stopped = [r for r, p in enumerate(self.procs) if p.poll() is None and _stopped(p.pid)]
+        cannot exit by itself), or the one its peers named (``failures.tell_launcher``).
+        Global ranks; "" for another machine's failure (its launcher says)."""
+        if isinstance(first, Elsewhere):
+            return ""
+        procs = enumerate(self.procs, self.place.first_rank)
+        stopped = [r for r, p in procs if p.poll() is None and _stopped(p.pid)]
         told = failures.from_launcher_dir(Path(self.failure_dir))
-        return failures.culprit_line(first.rank, told, stopped)
+        return failures.culprit_line(first.global_rank, told, stopped)
 
     def send(self, sig: int) -> None:
         """``sig`` to every rank's process group (its children too)."""
@@ -255,14 +212,19 @@ def run(
     grace: float = 5.0,
     timeout: float | None = None,
     stop_grace: float = stop_signals.STOP_GRACE_S,
+    place: Placement | None = None,
+    peers=None,
     **env_options,
-) -> Exit | None:
+) -> Exit | Elsewhere | None:
     """Runs the group to its end: None when every process exited 0, else the first
     failure, by time, once the others are ended. Ctrl-C (KeyboardInterrupt) and, after
     ``timeout`` s, TimeoutError end them all and propagate; a stop signal
     (``stop_signals.StopRequested``) propagates once the group has stopped, with the
-    launcher's exit code."""
-    group = Group(command, nproc, out, **env_options)
+    launcher's exit code. ``peers`` (several machines, ``jaxdist.launch.nodes``) hears of
+    every exit and interrupts the wait when another machine fails."""
+    group = Group(command, nproc, out, place, peers and peers.exited, **env_options)
+    if peers is not None:
+        peers.attach(group)
     first = None
     try:
         first = group.first_failure(timeout)
@@ -270,7 +232,8 @@ def run(
             out.say(f"{first}: the others get {grace:g}s to stop at the same step")
             group.wait_exited(grace)
         elif first is not None:
-            out.say(f"{first}: ending the other processes")
+            which = "this node's" if isinstance(first, Elsewhere) else "the other"
+            out.say(f"{first}: ending {which} processes")
             culprit = group.culprit(first)
             if culprit:
                 out.say(culprit)

@@ -73,7 +73,9 @@ def stop(group, request: StopRequested, out, *, grace: float, stop_grace: float)
     running = sorted(set(range(len(group.procs))) - {e.rank for e in exited})
     if not running:  # the last exited just now
         return _outcome(name, group, out, grace)
-    saved = [e.rank for e in exited if e.preempted]
+    first = group.place.first_rank  # global ranks: this machine's first is R x K on node R
+    running = [first + rank for rank in running]
+    saved = [e.global_rank for e in exited if e.preempted]
     # The trainer takes a second SIGTERM as "exit now" (143), SIGKILL after --grace ends
     # one that cannot (stuck in a collective, frozen).
     group.end(grace, at_once=True)

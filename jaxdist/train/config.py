@@ -162,7 +162,10 @@ class TrainConfig:
 
 @dataclass
 class DistConfig:
-    # The process group; empty: SLURM, then JAXDIST_* / MASTER_ADDR... environment, else one.
+    # The process group; empty: SLURM, mpirun, Kubernetes, then JAXDIST_* / MASTER_ADDR...
+    # environment, else one (jaxdist/cluster/environment.py).
+    # single: one process, whatever a scheduler's environment says (one run in an allocation)
+    process_group: Literal["auto", "single"] = "auto"
     coordinator: str = ""  # HOST:PORT of process 0 (PyTorch: MASTER_ADDR:MASTER_PORT)
     num_processes: int = 0  # (PyTorch: WORLD_SIZE, counted in processes)
     process_id: int = -1  # (PyTorch: RANK)

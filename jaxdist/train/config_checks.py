@@ -154,6 +154,22 @@ def validate(config) -> None:
             f"model.n_heads={config.model.n_heads}"
         )
     check_loss_chunks(config.model)
+    check_process_group(config.dist)
+
+
+def check_process_group(dist) -> None:
+    """``--process-group single`` is one process: a group given by hand contradicts it."""
+    given = [
+        f"{flag} {value}"
+        for flag, value, unset in (
+            ("--coordinator", dist.coordinator, ""),
+            ("--num-processes", dist.num_processes, 0),
+            ("--process-id", dist.process_id, -1),
+        )
+        if value != unset
+    ]
+    if dist.process_group == "single" and given:
+        raise ConfigError(f"--process-group single is one process: drop {', '.join(given)}")
 
 
 def check_loss_chunks(model) -> None:

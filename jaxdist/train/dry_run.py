@@ -24,6 +24,7 @@ def dry_run(config: Config) -> compile_only.Measured:
         process_id=d.process_id, local_device_ids=d.local_device_ids,
         init_timeout=d.init_timeout, heartbeat_timeout=d.heartbeat_timeout,
         coordinator_bind_address=d.coordinator_bind_address, health=False,
+        process_group=d.process_group,
     )  # fmt: skip
     devices = jax.devices()[: cfg.num_devices] if cfg.num_devices else jax.devices()
     m = compile_only.measure(config, devices, lambda device: device.process_index)

@@ -74,6 +74,7 @@ def setup(config: Config, write: bool = False) -> Run:
         heartbeat_timeout=d.heartbeat_timeout,
         coordinator_bind_address=d.coordinator_bind_address,
         health=d.health,
+        process_group=d.process_group,
     )
     stop = StopFlag()  # before data is prepared: a signal during set-up stops cleanly too
     health = RunHealth(config.dist, info)  # the watchdog watches set-up too
