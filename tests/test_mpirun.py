@@ -6,6 +6,7 @@ root, with Debian's openmpi-bin); elsewhere this skips, saying so."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,19 +21,8 @@ pytestmark = pytest.mark.skipif(
     reason="Open MPI is not installed (mpirun not found): .ci/run installs openmpi-bin as root",
 )
 
-FLAGS = [
-    "--steps",
-    "4",
-    "--log-every",
-    "1",
-    "--global-batch-size",
-    "32",
-    "--hidden",
-    "32",
-    "--seed",
-    "2",
-]
-FLAGS += ["--optimizer", "sgd", "--lr", "0.3", "--clip-norm", "0", "--warmup-steps", "0"]
+FLAGS = shlex.split("--steps 4 --log-every 1 --global-batch-size 32 --hidden 32 --seed 2")
+FLAGS += shlex.split("--optimizer sgd --lr 0.3 --clip-norm 0 --warmup-steps 0")
 
 
 def test_mpirun_np_2_trains_as_one_group_like_one_process_of_8(tmp_path):
