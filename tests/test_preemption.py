@@ -20,7 +20,7 @@ from jaxdist.checkpoint.run_directory import checkpoint_steps
 
 # Many short steps: a signal sent after 20 logged steps lands mid-run (the stop comes
 # within 2 steps of it; a step here takes milliseconds, the poll for 20 steps 50 ms).
-STEPS = 500
+STEPS = 200
 FLAGS = ["--steps", str(STEPS), "--log-every", "1", "--global-batch-size", "16", "--hidden", "16"]
 FLAGS += ["--compile-cache", "off"]
 
