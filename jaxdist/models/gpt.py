@@ -39,6 +39,7 @@ def _linear(d_in: int, d_out: int, axes: tuple[str, str], **kw) -> nnx.Linear:
 def _layer_norm(d: int, **kw) -> nnx.LayerNorm:
     return nnx.LayerNorm(
         d,
+        epsilon=kw.pop("eps", 1e-6),  # flax's default; GPT-2's is 1e-5
         scale_init=nnx.with_partitioning(initializers.ones_init(), ("norm",)),
         bias_init=nnx.with_partitioning(initializers.zeros_init(), ("norm",)),
         **kw,
@@ -69,18 +70,19 @@ def _drop(layer: nnx.Dropout | None, x: jax.Array) -> jax.Array:
 class Block(nnx.Module):
     def __init__(
         self, d_model: int, n_heads: int, *, dtype, attention=None, dropout=0.0,
-        seq_attention="ring", rngs: nnx.Rngs,
+        seq_attention="ring", layer_norm_eps=1e-6, rngs: nnx.Rngs,
     ):  # fmt: skip
         kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        norm = dict(kw, eps=layer_norm_eps)
         self.n_heads = n_heads
         self.seq_attention = seq_attention  # under a seq mesh axis: ring or gather
         # two layers of one stream: nnx.reseed gives each its own key, so their masks differ
         self.drop_att, self.drop_mlp = _dropout(dropout, rngs), _dropout(dropout, rngs)
         self.attention = attention  # None: JAX picks (cuDNN when it can); "cudnn"; "xla"
-        self.ln1 = _layer_norm(d_model, **kw)
+        self.ln1 = _layer_norm(d_model, **norm)
         self.qkv = _linear(d_model, 3 * d_model, ("embed", "heads"), **kw)  # column-parallel
         self.proj = _linear(d_model, d_model, ("heads", "embed"), **kw)  # row-parallel
-        self.ln2 = _layer_norm(d_model, **kw)
+        self.ln2 = _layer_norm(d_model, **norm)
         self.fc = _linear(d_model, 4 * d_model, ("embed", "mlp"), **kw)  # column-parallel
         self.out = _linear(4 * d_model, d_model, ("mlp", "embed"), **kw)  # row-parallel
 
@@ -115,6 +117,7 @@ class GPT(nnx.Module):
         pad_vocab_to: int = 128,
         dropout: float = 0.0,
         seq_attention: str = "ring",
+        layer_norm_eps: float = 1e-6,
         rngs: nnx.Rngs,
     ):
         check_remat(remat)
@@ -131,7 +134,7 @@ class GPT(nnx.Module):
             def block(rngs):
                 return Block(
                     d_model, n_heads, dtype=dtype, attention=attention, dropout=dropout,
-                    seq_attention=seq_attention, rngs=rngs,
+                    seq_attention=seq_attention, layer_norm_eps=layer_norm_eps, rngs=rngs,
                 )  # fmt: skip
 
             # Stacked: parameters (L, ...) run by one scan, and splittable into pipeline
@@ -140,7 +143,7 @@ class GPT(nnx.Module):
                 self.blocks = Stack(block, n_layers, rngs=rngs, remat=remat)
             else:
                 self.blocks = nnx.List([block(rngs) for _ in range(n_layers)])
-            self.ln_f = _layer_norm(d_model, **kw)
+            self.ln_f = _layer_norm(d_model, eps=layer_norm_eps, **kw)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:  # (B, T) -> (B, T, vocab)
         return self.head(self.features(tokens))

@@ -49,6 +49,7 @@ def _gpt(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
         remat=cfg.remat,
         dropout=cfg.dropout,
         seq_attention=cfg.seq_attention,
+        layer_norm_eps=cfg.layer_norm_eps,
         rngs=rngs,
     )
 

@@ -64,6 +64,11 @@ class ModelConfig:
     loss_chunks: int = 0
     # attention over a `seq` mesh axis: gather the keys and values, or ring (ppermute)
     seq_attention: Literal["gather", "ring"] = "ring"
+    layer_norm_eps: float = 1e-6  # gpt: LayerNorm's epsilon (GPT-2's is 1e-5)
+    # start from these weights (a .safetensors file, or a folder with its index JSON),
+    # renamed and reshaped by --init-map (a YAML file, or a shipped map: gpt2)
+    init_from: str = ""
+    init_map: str = ""
 
 
 @dataclass
@@ -79,6 +84,8 @@ class DataConfig:
     eval_fraction: float = text.EVAL_FRACTION  # text: share of files held out (by file)
     last_batch: Literal["drop", "wrap"] = "drop"  # an epoch's last partial global batch
     prefetch: int = 2  # device batches built ahead by a background thread
+    # >0: a grain source's per-example work in this many worker processes (grain's own)
+    data_workers: int = 0
     cache_dir: str = ""  # prepared text; "" = $JAXDIST_CACHE or ~/.cache/jaxdist
     num_examples: int = 16384  # synthetic classification: training examples
     eval_examples: int = 2048  # synthetic classification: held-out examples
@@ -151,6 +158,7 @@ class TrainConfig:
     compile_cache: str = ""
     # what a run shows: TensorBoard event files in RUN_DIR/tb (process 0)
     tensorboard: bool = True
+    wandb: str = ""  # "PROJECT[/RUN]": the same scalars to Weights & Biases (process 0)
     # "START:STOP": a jax.profiler trace of those steps in RUN_DIR/profile
     profile: str = ""
     profile_all_processes: bool = False  # every process traces (RUN_DIR/profile/process_N)

@@ -67,8 +67,10 @@ RANGES: dict[str, Bound] = {
     "model.n_heads": at_least(1),
     "model.dropout": SHARE,  # 1 would drop every activation
     "model.loss_chunks": at_least(0),
+    "model.layer_norm_eps": POSITIVE,
     "data.eval_fraction": SHARE,
     "data.prefetch": at_least(1),
+    "data.data_workers": at_least(0),  # 0: none (the thread prefetcher only)
     "data.num_examples": at_least(1),
     "data.eval_examples": at_least(1),
     "optim.lr": POSITIVE,
