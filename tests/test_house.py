@@ -46,9 +46,10 @@ def imports_of(path: Path, top_level_only: bool = False) -> set[str]:
     return found
 
 
-# The commands built on the trainer's config: the trainer, and the planner (which
-# compiles the trainer's step for a cluster). The library imports neither.
-COMMAND_LINE = ("jaxdist.train", "jaxdist.plan")
+# The commands built on the trainer's config: the trainer, the planner (which compiles
+# the trainer's step for a cluster) and the exporter (which reads a run's settings). The
+# library imports none of them.
+COMMAND_LINE = ("jaxdist.train", "jaxdist.plan", "jaxdist.export")
 
 
 def in_train(name: str) -> bool:

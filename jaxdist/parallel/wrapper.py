@@ -226,6 +226,19 @@ class Parallel:
         arrays = {"/".join(map(str, path)): host_value(var.get_value()) for path, var in flat}
         return split_layers(flat, arrays) if per_layer else arrays
 
+    @property
+    def named_targets(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The state's arrays by their checkpoint names, shaped and sharded in the layout."""
+        return dict(self._saved.target)
+
+    def named_state(self, state: TrainState) -> dict[str, jax.Array]:
+        """The state's arrays by their checkpoint names (a Stack's layers one by one)."""
+        return self._saved.named(state)
+
+    def from_named(self, arrays: dict[str, jax.Array]) -> TrainState:
+        """The inverse of ``named_state``: the state, in the layout."""
+        return self._saved.state(arrays)
+
     def merge(self, state: TrainState) -> nnx.Module:
         """The trained model as an ``nnx.Module`` in eval mode (dropout off, running
         statistics used and never updated, Linen models called with their eval flag)."""

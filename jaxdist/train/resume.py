@@ -21,6 +21,7 @@ from jaxdist.sinks.goodput import earlier_last_step
 from jaxdist.train import build_data
 from jaxdist.train import config as config_lib
 from jaxdist.train.config import Config, ConfigError
+from jaxdist.train.factories import parse_model_args
 from jaxdist.train.optim import effective_lr
 
 
@@ -91,13 +92,13 @@ def start(
     """The initial state, or the newest good checkpoint's (resharded to this layout),
     its data files checked against ``data``'s."""
     if plan.restart:
-        return _restart(dp, run_dir)
+        return _restart(dp, run_dir, config, data)
     if not plan.resume:
-        return Start(dp.init_state(), 0, 0)
+        return Start(initial_state(dp, config, data), 0, 0)
     restored = dp.restore(run_dir / run_directory.CHECKPOINTS)
     _record_damaged(dp, run_dir)
-    if restored is None:
-        return Start(dp.init_state(), 0, 0)
+    if restored is None:  # a checkpoint wins over --init-from: a resume never reloads it
+        return Start(initial_state(dp, config, data), 0, 0)
     state, extra = restored
     step = int(jax.device_get(state.step).reshape(-1)[0])
     _say_what_changed(extra, config, step)
@@ -117,7 +118,38 @@ def _record_damaged(dp: jaxdist.Parallel, run_dir: Path) -> None:
         failures.record(run_dir, failure)
 
 
-def _restart(dp: jaxdist.Parallel, run_dir: Path) -> Start:
+def initial_state(dp: jaxdist.Parallel, config: Config, data: build_data.Data):
+    """Step 0's state: the model's own initialisation, or ``--init-from``'s weights
+    (renamed by ``--init-map``) with a fresh optimizer."""
+    state = dp.init_state()
+    model = config.model
+    if not model.init_from:
+        return state
+    from jaxdist import weights
+
+    names = model_settings({"config": config_lib.to_dict(config), "data": data_settings(data)})
+    state = weights.init_params(dp, state, model.init_from, weights.load(model.init_map), names)
+    how = f"mapped by {model.init_map}" if model.init_map else "names as they are"
+    jaxdist.print_main(f"jaxdist: parameters from {model.init_from} ({how})")
+    return state
+
+
+def model_settings(meta: dict) -> dict:
+    """The model settings a weight map may name, from a run's record (a checkpoint's
+    meta): its model config, its --model-args, and the vocabulary the run trained with
+    (its data's, where the config left it 0)."""
+    model = dict(meta.get("config", {}).get("model", {}))
+    names = {**model, **parse_model_args(model.get("model_args", ""))}
+    if not names.get("vocab_size"):
+        names["vocab_size"] = meta.get("data", {}).get("vocab_size", 0)
+    return names
+
+
+def data_settings(data: build_data.Data) -> dict:
+    return {"vocab_size": data.vocab_size}
+
+
+def _restart(dp: jaxdist.Parallel, run_dir: Path, config: Config, data) -> Start:
     """An earlier attempt of this run stopped before its first checkpoint: step 0 again.
     Said, as a resume is: its logged steps are trained a second time."""
     earlier = earlier_last_step(run_dir)  # read before metrics.jsonl is replaced
@@ -125,7 +157,7 @@ def _restart(dp: jaxdist.Parallel, run_dir: Path) -> Start:
         f"jaxdist: note: restarting run {run_directory.run_id()} in {run_dir} from step 0: an "
         f"earlier attempt reached step {earlier} and saved no checkpoint"
     )
-    return Start(dp.init_state(), 0, earlier)
+    return Start(initial_state(dp, config, data), 0, earlier)
 
 
 def extra(config: Config, step: int, data: build_data.Data) -> dict:
@@ -141,6 +173,7 @@ def extra(config: Config, step: int, data: build_data.Data) -> dict:
             "examples": examples,
             "epoch": step * cfg.global_batch_size // examples,
             "files": data.fingerprints,
+            **data_settings(data),  # what --vocab-size 0 came to (jaxdist.export reads it)
         },
         "config": config_lib.to_dict(config),
     }

@@ -1,0 +1,5 @@
+import sys
+
+from jaxdist.export import main
+
+sys.exit(main())

@@ -1,0 +1,110 @@
+"""``python -m jaxdist.export``: a run's newest good checkpoint's parameters as safetensors.
+
+The checkpoint is read on this host's CPU (any layout and process count it was saved
+from: a checkpoint names its arrays, a stack's layers one by one), verified as a resume
+verifies it, and its parameters and batch statistics are renamed and reshaped by the
+weight map read backwards. The map's ``config_json``, filled from the run's settings,
+is written beside them: with the shipped ``gpt2`` map the folder is one that
+``transformers.GPT2LMHeadModel.from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from jaxdist.errors import ConfigError
+from jaxdist.weights import files, rearrange
+from jaxdist.weights.weight_map import WeightMap, fill_config, resolve
+
+KINDS = ("params", "batch_stats")  # what the file carries of the state
+
+
+@dataclass
+class Exported:
+    step: int
+    files: list[Path]
+    tensors: int
+    bytes: int
+
+
+def export_run(
+    run_dir: Path, out: Path, weight_map: WeightMap, settings: Callable[[dict], dict], *,
+    step: int | None = None, max_shard_bytes: int = 5 * 10**9,
+) -> Exported:  # fmt: skip
+    """Writes ``out`` (a new or empty folder) from ``run_dir``'s checkpoint ``step``
+    (default: the newest that passes its fingerprints). ``settings(meta)``: the model
+    settings the map may name, from the checkpoint's record of its run."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out}: exists and is not an empty folder; name a new one")
+    found, arrays, meta = _restore(Path(run_dir), step)
+    names = settings(meta)
+    tensors = {}
+    for full, array in arrays.items():
+        kind, _, name = full.partition("/")
+        if kind in KINDS:
+            source, value = to_source(name, np.asarray(array), weight_map, names)
+            if source in tensors:
+                raise ConfigError(f"{weight_map.name}: two parameters write {source}")
+            tensors[source] = value
+    extra = {}
+    if weight_map.config_json:
+        config = fill_config(weight_map.config_json, names)
+        extra["config.json"] = json.dumps(config, indent=2) + "\n"
+    written = files.write(tensors, Path(out), max_shard_bytes, extra)
+    total = sum(t.nbytes for t in tensors.values())
+    return Exported(found, written, len(tensors), total)
+
+
+def to_source(name: str, array: np.ndarray, weight_map: WeightMap, names: dict):
+    """A parameter's name and array in the file's form: the first rule that names it."""
+    for rule in weight_map.rules:
+        source = rule.source_name(name)
+        if source is None:
+            continue
+        if rule.groups:
+            sizes = {k: resolve(v, names, f"{rule.model} sizes") for k, v in rule.sizes.items()}
+            right, left = rule.groups[1], rule.groups[0]
+            array = rearrange.apply(array, right, left, sizes, f"{name} ({rule.rearrange})")
+        elif rule.pad_rows is not None:  # the model's padding rows are not the file's
+            array = array[: resolve(rule.pad_rows, names, f"{rule.model} pad_rows")]
+        return source, array
+    raise ConfigError(f"{weight_map.name}: no rule names the parameter {name}")
+
+
+def _restore(run_dir: Path, step: int | None):
+    import jax
+
+    from jaxdist.checkpoint import Checkpointer, run_directory
+
+    directory = run_dir / run_directory.CHECKPOINTS
+    if not directory.is_dir():
+        raise ConfigError(f"{run_dir}: no checkpoints folder; is it a run directory?")
+    reader = Checkpointer(directory)
+    try:
+        steps = reader.steps()
+        if not steps or (step is not None and step not in steps):
+            held = ", ".join(map(str, steps)) or "none"
+            which = "no checkpoint" if step is None else f"no checkpoint of step {step}"
+            raise ConfigError(f"{directory}: {which} (held: {held})")
+        cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+        tree = reader.read_meta(step or steps[0])["tree"]
+        target = {
+            name: jax.ShapeDtypeStruct(tuple(shape), _dtype(dtype), sharding=cpu)
+            for name, (shape, dtype) in tree.items()
+        }
+        return reader.restore(target, step)
+    finally:
+        reader.close()
+
+
+def _dtype(name: str):
+    import jax
+
+    if name.startswith("key<"):  # a typed PRNG key array (the RNG state)
+        return jax.random.key(0, impl=name[4:-1]).dtype
+    return np.dtype(name)
