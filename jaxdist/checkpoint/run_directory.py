@@ -29,6 +29,8 @@ from jaxdist.errors import ConfigError, JaxdistError
 CHECKPOINTS = "checkpoints"
 # What an earlier run leaves (--overwrite removes them all)
 RUN_FILES = ("metrics.jsonl", "config.yaml", CHECKPOINTS, "goodput.json", "tb", "profile")
+# W&B's files and run id (--wandb): removed by --overwrite, not a sign of an earlier run
+WANDB_FILES = ("wandb", "wandb_id")
 # The id of the run that last wrote the directory (absent: a run without one). Not in
 # RUN_FILES: it is always written with metrics.jsonl, and refusals name what users wrote.
 RUN_ID = "run_id"
@@ -134,7 +136,7 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 def clear(run_dir: Path) -> None:
     """``--overwrite``: removes an earlier run's files (process 0, before anyone reads)."""
-    for name in (*RUN_FILES, RUN_ID):
+    for name in (*RUN_FILES, *WANDB_FILES, RUN_ID):
         path = run_dir / name
         if path.is_dir():
             shutil.rmtree(path)

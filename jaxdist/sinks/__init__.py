@@ -147,7 +147,8 @@ class Sinks:
 
 
 def __getattr__(name: str):
-    # The sinks that import heavier packages (rich, tensorboard, jax.profiler) load on use.
+    # The sinks that import heavier packages (rich, tensorboard, jax.profiler) load on use;
+    # WandbRun imports wandb (an optional extra) only when a run starts.
     modules = {
         "MetricsFile": "jsonl",
         "json_line": "jsonl",
@@ -157,6 +158,7 @@ def __getattr__(name: str):
         "Ledger": "goodput",
         "Profiler": "profiler",
         "Summary": "summary",
+        "WandbRun": "wandb_run",
     }
     if name not in modules:
         raise AttributeError(f"module 'jaxdist.sinks' has no attribute {name!r}")
@@ -186,5 +188,6 @@ __all__ = [
     "Summary",
     "TensorBoard",
     "Terminal",
+    "WandbRun",
     "json_line",
 ]

@@ -150,6 +150,10 @@ def validate(config) -> None:
     parse_model_args(config.model.model_args)  # bad syntax: exit 2 before anything runs
     if config.train.profile:
         profile_range(config.train.profile, config.train.steps)
+    if config.train.wandb:  # PROJECT[/RUN]: a name W&B refuses exits 2 before anything runs
+        from jaxdist.sinks.wandb_run import parse_target
+
+        parse_target(config.train.wandb)
     if config.model.d_model % config.model.n_heads:
         raise ConfigError(
             f"model.d_model={config.model.d_model} is not divisible by "

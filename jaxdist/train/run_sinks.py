@@ -19,9 +19,9 @@ from jaxdist.train.loop import Run
 
 
 def make_sinks(config: Config, run: Run, quiet: bool, clock_start: float) -> Sinks:
-    """Where the run's events go. Process 0: metrics.jsonl, goodput.json, TensorBoard
-    (with a run directory) and the terminal (unless quiet); the profiler on process 0,
-    or on every process with --profile-all-processes."""
+    """Where the run's events go. Process 0: metrics.jsonl, goodput.json, TensorBoard and
+    W&B (with a run directory) and the terminal (unless quiet); the profiler on process
+    0, or on every process with --profile-all-processes."""
     from jaxdist.sinks import GoodputFile, Ledger, MetricsFile, Profiler, TensorBoard, Terminal
 
     cfg, run_dir = config.train, run.run_dir
@@ -39,6 +39,10 @@ def make_sinks(config: Config, run: Run, quiet: bool, clock_start: float) -> Sin
     sinks.append(goodput)
     if write and cfg.tensorboard:
         sinks.append(TensorBoard(run_dir / "tb"))
+    if write and cfg.wandb:  # the same scalars to W&B; prepare_sinks checked the package
+        from jaxdist.sinks.wandb_run import WandbRun, parse_target
+
+        sinks.append(WandbRun(run_dir, *parse_target(cfg.wandb)))
     if cfg.profile and run_dir is not None and (is_main or cfg.profile_all_processes):
         start, stop = config_checks.profile_range(cfg.profile, cfg.steps)
         index = jax.process_index()
@@ -47,6 +51,16 @@ def make_sinks(config: Config, run: Run, quiet: bool, clock_start: float) -> Sin
     if is_main and not quiet:
         sinks.append(Terminal(goodput))
     return Sinks(sinks, background=True)  # files and lines written off the loop's thread
+
+
+def prepare_sinks(cfg: config_lib.TrainConfig, run_dir) -> None:
+    """At set-up, on process 0 (which reports), before data is prepared: what a sink
+    needs that may be missing (--wandb: its package, a login) is a ConfigError now,
+    not at the first logged step."""
+    if cfg.wandb and run_dir is not None:  # no run directory: no W&B
+        from jaxdist.sinks import wandb_run
+
+        wandb_run.prepare()
 
 
 def started(config: Config, run: Run) -> Started:

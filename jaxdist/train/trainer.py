@@ -35,7 +35,7 @@ from jaxdist.train.loop import Run, finish, loop
 from jaxdist.train.optim import effective_lr, make_optimizer, make_schedule
 from jaxdist.train.rules_file import load_rules
 from jaxdist.train.run_health import RunHealth
-from jaxdist.train.run_sinks import announce, make_sinks
+from jaxdist.train.run_sinks import announce, make_sinks, prepare_sinks
 
 # Seen alike by every process (bad input, a bad batch, a non-finite step): each reports it.
 STEP_ERRORS = (jaxdist.JaxdistError, jaxdist.NonFiniteError, ReplicaDivergenceError, MismatchError)
@@ -98,6 +98,7 @@ def _setup_run(config, info, stop, health, run_dir, plan) -> Run:
     cfg = config.train
     if info.process_index == 0:  # the one that writes: an unwritable path fails now
         check_outputs(run_dir, cfg.save_params)
+        prepare_sinks(cfg, run_dir)  # --wandb without its package or login: exit 2 now
     if cfg.num_devices and info.process_count > 1 and cfg.num_devices != info.device_count:
         raise ConfigError(
             f"--num-devices {cfg.num_devices}: with {info.process_count} processes every "
