@@ -2,11 +2,13 @@
 Building sources from the command line's ``--data`` is ``jaxdist.train.build_data``.
 
 Loaders yield host-local numpy (this process's rows); ``jaxdist.shard_batch`` is the one
-seam to global device arrays. ``python -m jaxdist.data prepare`` writes token files.
+seam to global device arrays. grain's datasets are sources too (``grain_source``; grain
+is imported only when one is used). ``python -m jaxdist.data prepare`` writes token files.
 """
 
 from jaxdist.data.arrays import NpzArrays
 from jaxdist.data.fingerprint import file_fingerprint
+from jaxdist.data.grain_source import GrainSource
 from jaxdist.data.loader import Batch, DataSource, Prefetcher, eval_batches, host_batches
 from jaxdist.data.sampler import DistributedSampler, EvalSampler
 from jaxdist.data.text import (
@@ -36,6 +38,7 @@ __all__ = [
     "DataSource",
     "DistributedSampler",
     "EvalSampler",
+    "GrainSource",
     "NpzArrays",
     "Prefetcher",
     "TokenWindows",

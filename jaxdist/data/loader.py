@@ -2,7 +2,8 @@
 
 Loaders yield *host-local numpy*, this process's rows of a global batch; ``shard_batch``
 (the one seam) turns them into a global device array. The ``Prefetcher`` runs both in a
-thread, ``depth`` batches ahead, so the step does not wait for input.
+thread, ``depth`` batches ahead, so the step does not wait for input; with
+``--data-workers`` a grain source's batches come from grain's worker processes.
 """
 
 from __future__ import annotations
@@ -32,23 +33,43 @@ class DataSource(Protocol):
     def __getitem__(self, indices: np.ndarray) -> Batch: ...
 
 
-def host_batches(source: DataSource, sampler: DistributedSampler, start_step: int = 0):
-    """This process's rows of each global batch, from ``start_step`` on. A source's
-    JaxdistError (a bad id, a file that changed) names the optimizer step, counted from 1."""
-    step = start_step
+def host_batches(
+    source: DataSource, sampler: DistributedSampler, start_step: int = 0, workers: int = 0
+) -> Iterator[Batch]:
+    """This process's rows of each global batch, from ``start_step`` on. ``source`` may be
+    a grain MapDataset or random-access source (``jaxdist.data.grain_source``); with
+    ``workers`` > 0 its per-example work runs in that many grain processes, with the same
+    batches in the same order (close the iterator to end them)."""
+    from jaxdist.data import grain_source  # it reads steps through read_step, below
+
+    source = grain_source.as_source(source)
+    if workers:
+        return grain_source.WorkerBatches(source, sampler, start_step, workers)
+    return _read_steps(source, sampler, start_step)
+
+
+def _read_steps(source: DataSource, sampler: DistributedSampler, step: int):
     while True:
-        try:
-            batch = source[sampler.indices(step)]
-        except JaxdistError as err:
-            named = JaxdistError(f"step {step + 1}: {err}")
-            named.step = step + 1  # what its failure record (failures.jsonl) holds
-            raise named from None
-        yield batch
+        yield read_step(source, sampler, step)
         step += 1
+
+
+def read_step(source: DataSource, sampler: DistributedSampler, step: int) -> Batch:
+    """This process's rows of step ``step`` (from 0). A source's JaxdistError (a bad id,
+    a file that changed) names the optimizer step, counted from 1."""
+    try:
+        return source[sampler.indices(step)]
+    except JaxdistError as err:
+        named = JaxdistError(f"step {step + 1}: {err}")
+        named.step = step + 1  # what its failure record (failures.jsonl) holds
+        raise named from None
 
 
 def eval_batches(source: DataSource, sampler: EvalSampler) -> Iterator[Batch]:
     """This process's rows of every eval batch, with ``mask`` (B/P,): 0 on padding."""
+    from jaxdist.data import grain_source
+
+    source = grain_source.as_source(source)
     for step in range(sampler.steps):
         indices, mask = sampler.indices(step)
         yield {**source[indices], "mask": mask}
@@ -116,3 +137,6 @@ class Prefetcher:
             while True:
                 self._ready.get_nowait()
         self._thread.join(timeout=5)
+        close = getattr(self._batches, "close", None)  # grain's workers (--data-workers)
+        if close is not None and not self._thread.is_alive():  # not while it is reading
+            close()

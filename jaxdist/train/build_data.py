@@ -4,10 +4,11 @@
 the synthetic teacher set for ``classify``); ``synthetic``; ``grammar``; a token file
 (``.bin``, ``.npy``); an ``.npz`` of arrays; text files, folders or globs
 (comma-separated; tokenised at the byte level once, into the cache); or
-``package.module:factory`` returning a ``DataSource``. Every source, train and held-out,
-is then checked on a sample of rows for ids or labels out of range (``data.checks``),
-and the files they read are fingerprinted (``Data.fingerprints``: what a checkpoint
-records).
+``package.module:factory`` returning a ``DataSource`` or a grain ``MapDataset`` or
+random-access source (``jaxdist.data.grain_source``; ``--data-workers`` apply to these
+alone). Every source, train and held-out, is then checked on a sample of rows for ids
+or labels out of range (``data.checks``), and the files they read are fingerprinted
+(``Data.fingerprints``: what a checkpoint records).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxdist.data import fingerprint, row_checks, text
+from jaxdist.data import fingerprint, grain_source, row_checks, text
 from jaxdist.data.arrays import NpzArrays
 from jaxdist.data.loader import DataSource
 from jaxdist.data.synthetic import ByteWindows, TeacherClassification, grammar_corpus
@@ -61,6 +62,7 @@ def build(config: Config, task: str, progress: bool = True) -> Data:
     ``progress``: show data preparation (the main process only)."""
     data = _build(config, task, progress)
     path = config.data.path or ("stdlib" if task == "lm" else "synthetic")
+    grain_source.check_workers(data.train, config.data.data_workers, f"--data {path}")
     bound = row_checks.value_range(
         task, _limit(config, task, data.vocab_size), config.data.npz_labels
     )
@@ -190,9 +192,9 @@ def _arrays(config: Config, path: str) -> Data:
 
 def _user(ref: str, config: Config, task: str) -> Data:
     """``factory`` called by parameter name: ``split`` (``"train"`` or ``"eval"``) and
-    ``config`` (the whole Config), each if it takes them; it returns a DataSource, or None
-    for no held-out set. An lm source's vocabulary: its ``vocab_size`` attribute, else
-    ``--vocab-size``, else bytes (257)."""
+    ``config`` (the whole Config), each if it takes them; it returns a DataSource (or a
+    grain dataset or source, adapted), or None for no held-out set. An lm source's
+    vocabulary: its ``vocab_size`` attribute, else ``--vocab-size``, else bytes (257)."""
     factory = import_object(ref, "--data")
     if not callable(factory):
         raise ConfigError(f"--data {ref!r} is not callable")
@@ -202,9 +204,10 @@ def _user(ref: str, config: Config, task: str) -> Data:
         supplied.update(dict.fromkeys(("config", "cfg"), lambda: config))
         return bind(factory, f"--data {ref}", supplied, fallback="split")()
 
-    train = call("train")
+    train = grain_source.user_source(call("train"), task, f"--data {ref}")
     for name in ("__len__", "__getitem__"):
         if not hasattr(train, name):
             raise ConfigError(f"--data {ref}: returned {type(train).__name__}, which has no {name}")
     vocab = getattr(train, "vocab_size", None) or config.model.vocab_size or text.BYTE_VOCAB
-    return Data(train, call("eval"), int(vocab), False, ref)
+    held_out = grain_source.user_source(call("eval"), task, f"--data {ref} (split eval)")
+    return Data(train, held_out, int(vocab), False, ref)

@@ -130,7 +130,8 @@ def _setup_run(config, info, stop, health, run_dir, plan) -> Run:
     )
     batches = data_lib.Prefetcher(
         health.faults.wrap_batches(
-            data_lib.host_batches(data.train, sampler, begin.step), begin.step
+            data_lib.host_batches(data.train, sampler, begin.step, config.data.data_workers),
+            begin.step,
         ),
         put=partial(jaxdist.shard_batch, mesh=mesh),
         depth=config.data.prefetch,
