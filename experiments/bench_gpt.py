@@ -61,6 +61,9 @@ def parse(argv=None) -> argparse.Namespace:
         action="store_true",
         help="jaxdist twice with one compilation cache: cold, then warm",
     )
+    parser.add_argument(
+        "--torch-backend", default="inductor", help="torch.compile's backend (aot_eager: no C++)"
+    )
     parser.add_argument("--out", default="bench_gpt.jsonl", help="JSON lines, appended")
     parser.add_argument("--one", nargs=2, metavar=("WHO", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", default="", help=argparse.SUPPRESS)
@@ -87,7 +90,7 @@ def child_argv(args, who: str, size: str) -> list[str]:
     argv = [sys.executable, str(Path(__file__).resolve()), "--one", who, size]
     argv += ["--attention", args.attention, "--steps", str(args.steps)]
     argv += ["--strategy", args.strategy, "--remat", args.remat]
-    argv += ["--loss-chunks", str(args.loss_chunks)]
+    argv += ["--loss-chunks", str(args.loss_chunks), "--torch-backend", args.torch_backend]
     argv += ["--scan-layers"] * args.scan_layers + ["--no-donate"] * args.no_donate
     argv += ["--profile", args.profile] if args.profile else []
     argv += ["--note", args.note] if args.note else []

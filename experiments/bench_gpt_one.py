@@ -51,7 +51,9 @@ def measure(args, who: str, size: str, dims: dict, run: dict) -> dict:
             import peer_torch
         except ImportError as err:
             return {**record, "skipped": f"torch not installed ({err})"}
-        timing = peer_torch.measure(dims, run, cpu=args.cpu)
+        backend = getattr(args, "torch_backend", "inductor")
+        record["torch_backend"] = backend
+        timing = peer_torch.measure(dims, run, cpu=args.cpu, backend=backend)
         peak = peer_torch.matmul_peak_flops(args.cpu)
     else:
         import jax

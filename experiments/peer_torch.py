@@ -64,14 +64,16 @@ def matmul_peak_flops(cpu: bool) -> float:
     return 2 * n**3 / best
 
 
-def measure(dims: dict, run: dict, cpu: bool) -> dict:
+def measure(dims: dict, run: dict, cpu: bool, backend: str = "inductor") -> dict:
+    """``backend``: torch.compile's; inductor (the default, what the figures use) builds
+    C++ or Triton kernels, which takes 40 s for the tiny CPU model on 2 cores."""
     device = torch.device("cpu" if cpu else "cuda")
     model = GPT(run["vocab_size"], run["seq_len"], **dims).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, fused=not cpu)
     amp_dtype = torch.bfloat16 if run["dtype"] == "bfloat16" else torch.float32
 
-    @torch.compile
+    @torch.compile(backend=backend)
     def loss_of(tokens):
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype != torch.float32):
             logits = model(tokens[:, :-1]).float()
