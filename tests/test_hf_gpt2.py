@@ -80,8 +80,9 @@ def test_init_from_gives_transformers_logits_in_a_split_layout(hf_folder):
 
 
 def test_five_steps_exported_load_in_transformers_with_the_same_logits(hf_folder, tmp_path):
+    # with dropout: its checkpoints hold RNG keys (typed arrays) that export reads past
     config = settings("--init-from", str(hf_folder), "--init-map", "gpt2", "--num-devices",
-                      "2", "--run-dir", str(tmp_path / "run"))  # fmt: skip
+                      "2", "--run-dir", str(tmp_path / "run"), "--dropout", "0.1")  # fmt: skip
     run = train(config, quiet=True)
     trained = jaxdist_logits(run, run.state)
     assert np.abs(trained - hf_logits(hf_folder)).max() > 1e-3  # the steps changed the model
@@ -93,6 +94,7 @@ def test_five_steps_exported_load_in_transformers_with_the_same_logits(hf_folder
     assert "lm_head.weight" not in index["weight_map"]  # tied to wte, as GPT-2 saves it
     written = json.loads((out / "config.json").read_text())
     assert (written["n_positions"], written["layer_norm_epsilon"]) == (T, 1e-5)
+    assert written["resid_pdrop"] == 0.1
     exported = hf_logits(out)
     assert np.abs(exported - trained).max() < 1e-4, np.abs(exported - trained).max()
 

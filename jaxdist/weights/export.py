@@ -105,6 +105,10 @@ def _restore(run_dir: Path, step: int | None):
 def _dtype(name: str):
     import jax
 
-    if name.startswith("key<"):  # a typed PRNG key array (the RNG state)
-        return jax.random.key(0, impl=name[4:-1]).dtype
+    if name.startswith("key<"):  # a typed PRNG key array (the RNG state): "key<fry>"
+        for impl in ("threefry2x32", "rbg", "unsafe_rbg"):
+            dtype = jax.random.key(0, impl=impl).dtype
+            if str(dtype) == name:
+                return dtype
+        raise ConfigError(f"a checkpoint array of dtype {name}, which this JAX does not make")
     return np.dtype(name)
