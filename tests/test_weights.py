@@ -224,3 +224,14 @@ def test_export_refuses_a_folder_in_use_and_a_non_run_writing_nothing(tmp_path, 
     assert export_main([str(tmp_path), "--out", str(tmp_path / "new")]) == 2
     assert "no checkpoints folder" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["used"]
+
+
+def test_a_missing_file_or_map_is_refused_before_data_or_compilation(tmp_path, monkeypatch):
+    from jaxdist.train import build_data
+
+    monkeypatch.setattr(build_data, "build", lambda *a, **k: pytest.fail("data prepared"))
+    with pytest.raises(ConfigError, match="no such file or folder"):
+        initial(settings("--init-from", str(tmp_path / "absent.safetensors")))
+    (tmp_path / "w.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError, match="no such file, nor a shipped map .*gpt2"):
+        initial(settings("--init-from", str(tmp_path / "w.safetensors"), "--init-map", "gpt3"))

@@ -134,6 +134,18 @@ def initial_state(dp: jaxdist.Parallel, config: Config, data: build_data.Data):
     return state
 
 
+def check_init_from(model: config_lib.ModelConfig, plan: run_directory.Plan) -> None:
+    """``--init-from``'s path and ``--init-map`` checked before data is prepared and the
+    step compiled, where they will be read: not on a resume (a checkpoint wins)."""
+    if not model.init_from or (plan.resume and not plan.restart):
+        return
+    from jaxdist import weights
+
+    weights.load(model.init_map)  # a missing or malformed map: exit 2 now
+    if not Path(model.init_from).exists():
+        raise ConfigError(f"--init-from {model.init_from}: no such file or folder")
+
+
 def model_settings(meta: dict) -> dict:
     """The model settings a weight map may name, from a run's record (a checkpoint's
     meta): its model config, its --model-args, and the vocabulary the run trained with

@@ -1,7 +1,5 @@
 """``python -m jaxdist.train``: data-parallel training on every visible device.
-
-``train()`` reads top to bottom: devices, mesh, model, optimizer, step, data, loop.
-"""
+``train()`` reads top to bottom: devices, mesh, model, optimizer, step, data, loop."""
 
 from __future__ import annotations
 
@@ -113,6 +111,7 @@ def _setup_run(config, info, stop, health, run_dir, plan) -> Run:
     # --- model factory, then data: checked before anything compiles
     task = model_task(config.model)
     model_factory(config.model, cfg.seed)  # its arguments checked before data is prepared
+    resume.check_init_from(config.model, plan)  # and --init-from's file and map, if read
     data = load_data(config, task, info)
     # --- model, loss, optimizer, and the data-parallel step, the same on every process
     dp = make_step(config, task, data, mesh, health.faults.wrap_loss)
