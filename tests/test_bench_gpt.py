@@ -32,8 +32,10 @@ def test_plain_jax_reference_computes_jaxdists_gpt_loss_and_update():
     model = GPT(97, 16, 32, 2, 4, rngs=nnx.Rngs(0), attention="xla", pad_vocab_to=1)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     tokens = jax.random.randint(jax.random.key(1), (3, 17), 0, 97)
-    want, _ = next_token_loss(model, {"tokens": tokens})
-    got = plain.loss_fn(params, tokens, n_heads=4, dtype=jnp.float32, attention="xla")
+    # jitted, as the step is: run eagerly, each operation compiles on its own (~10 s)
+    want, _ = nnx.jit(next_token_loss)(model, {"tokens": tokens})
+    plain_loss = jax.jit(plain.loss_fn, static_argnames=("n_heads", "dtype", "attention"))
+    got = plain_loss(params, tokens, n_heads=4, dtype=jnp.float32, attention="xla")
     np.testing.assert_allclose(got, want, rtol=1e-5)
     # One step of each from the same weights gives the same weights. SGD, not Adam: the
     # key bias's gradient is zero up to rounding (softmax ignores a constant shift of the
@@ -47,7 +49,7 @@ def test_plain_jax_reference_computes_jaxdists_gpt_loss_and_update():
     def jaxdist_loss(p):
         return next_token_loss(nnx.merge(graphdef, p), {"tokens": tokens})[0]
 
-    grads = jax.grad(jaxdist_loss)(state)
+    grads = jax.jit(jax.grad(jaxdist_loss))(state)
     updates, _ = tx.update(grads, tx.init(state), state)
     ref = nnx.to_pure_dict(optax.apply_updates(state, updates))
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref), strict=True):
