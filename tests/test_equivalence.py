@@ -67,7 +67,8 @@ def assert_matches(run, reference):
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
-@pytest.mark.parametrize("num_devices", [1, 2, 4, 8])
+# 1 (the reference's own device count), 2 and all 8 (4: 15 s of the suite, no new case)
+@pytest.mark.parametrize("num_devices", [1, 2, 8])
 @pytest.mark.parametrize("strategy", ["pmap", "shard_map", "gspmd"])
 def test_params_and_losses_equal_single_device_reference(strategy, num_devices, grad_accum):
     """The logged loss is the 1-device loss on the global batch (the mean of the
