@@ -79,8 +79,6 @@ def test_npz_classification_with_1001_held_out_examples(tmp_path):
     args += ["--global-batch-size", "32", "--log-every", "1", "--seed", "2"]
     one = run_cli(*args, "--cpu-devices", "1", "--run-dir", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr
-    eight = run_cli(*args, "--cpu-devices", "8", "--run-dir", str(tmp_path / "eight"))
-    assert eight.returncode == 0, eight.stderr
     two_procs, _ = launch(
         "--nproc",
         "2",
@@ -97,7 +95,7 @@ def test_npz_classification_with_1001_held_out_examples(tmp_path):
     assert two_procs.returncode == 0, two_procs.stdout[-3000:] + two_procs.stderr[-3000:]
     want = metrics_of(tmp_path / "one")[-1]
     assert want["eval_count"] == 1001
-    for name in ("eight", "two"):
+    for name in ("two",):  # 8 devices in 2 processes (each 4: 1001 rows over 8 shards)
         got = metrics_of(tmp_path / name)[-1]
         assert got["eval_count"] == 1001, name
         assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5), name

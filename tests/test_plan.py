@@ -44,7 +44,8 @@ def test_planned_memory_is_the_compiled_programs_own_on_8_devices():
     json.dumps(plan.to_json())  # for tools: plain JSON
     found = {c.layout.mesh: c for c in plan.candidates}
     assert len(found) == 3
-    for mesh in ["data=4,model=2", "fsdp=4,model=2", "data=2,fsdp=2,model=2"]:
+    # two of the three compiled here too (the third: 4 s of the suite, no other check)
+    for mesh in ["data=4,model=2", "fsdp=4,model=2"]:
         measured = found[mesh].measured
         config = config_lib.parse_args([*GPT, "--mesh", mesh, *layout])
         _, program, _ = compile_only.build(config, jax.devices())
