@@ -9,7 +9,7 @@ step timeout (every evaluation batch far shorter).
 
 Margins a loaded 2-core machine cannot cross: in the hangs the fault comes at step 2, so
 the 3 s step deadline times no healthy step (the first compiles, on the slow deadline);
-the clean run's deadline is 8 s, where its healthy phases (30 steps, 85 evaluation
+the clean run's deadline is 4 s, where its healthy phases (30 steps, 45 evaluation
 batches) take milliseconds; and the bounds on detection, exit and clean-up are generous,
 never what a passing test waits for."""
 
@@ -31,7 +31,7 @@ from helpers import alive, failures_of
 TESTS = str(Path(__file__).parent)
 STEP_TIMEOUT_S = 3  # the hangs': no healthy step is timed against it (FAULT_STEP)
 FAULT_STEP = 2  # the first step compiles, on the slow deadline; the next one stalls
-CLEAN_TIMEOUT_S = 8  # the clean run's, below its slow first step and its evaluation
+CLEAN_TIMEOUT_S = 4  # the clean run's, below its slow first step and its evaluation
 SLOW_S = CLEAN_TIMEOUT_S + 0.5  # sleeps: their length is a lower bound, whatever the load
 
 
@@ -110,7 +110,7 @@ def slow_first_step(model, batch):
     return losses.mean()
 
 
-EVAL_BATCHES, EVAL_READ_S = 85, 0.1  # SLOW_S in all, each read far below the deadline
+EVAL_BATCHES, EVAL_READ_S = 45, 0.1  # SLOW_S in all, each read far below the deadline
 
 
 def slow_eval_reads(split):
@@ -119,8 +119,8 @@ def slow_eval_reads(split):
 
 
 def test_no_false_alarm_with_a_slow_first_step_and_a_long_evaluation(tmp_path, launcher):
-    """30 steps, the first of SLOW_S s, and an evaluation of 85 batches of 0.1 s: each
-    longer than the 8 s step timeout (the evaluation as a whole, each batch far shorter)."""
+    """30 steps, the first of SLOW_S s, and an evaluation of 45 batches of 0.1 s: each
+    longer than the 4 s step timeout (the evaluation as a whole, each batch far shorter)."""
     run_dir = tmp_path / "run"
     flags = ["--steps", "30", "--eval-every", "30", "--log-every", "10"]
     flags += ["--data", "test_health_hang:slow_eval_reads"]

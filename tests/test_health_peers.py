@@ -87,8 +87,11 @@ def test_survivors_name_the_dead_process(tmp_path, group, victim):
     killed_at = time.monotonic()
     assert survivor.wait(timeout=30) == 76, log(tmp_path, 1 - victim)[-3000:]
     assert time.monotonic() - killed_at < 15  # the heartbeat timeout is 100 s
-    last = log(tmp_path, 1 - victim).strip().splitlines()[-1]
-    assert last.startswith(f"[rank {1 - victim}] jaxdist: error: process {victim} (host "), last
+    # the survivor's line, among its last (gRPC may still print its own after it)
+    said = f"[rank {1 - victim}] jaxdist: error: process {victim} (host "
+    tail = log(tmp_path, 1 - victim).strip().splitlines()[-5:]
+    last = next((line for line in reversed(tail) if line.startswith(said)), "\n".join(tail))
+    assert last.startswith(said), last
     assert " died" in last and f"pid {dead.pid}" in last, last
     (failure,) = failures_of(run_dir)
     assert (failure["cause"], failure["process"], failure["exit_code"]) == ("dead_peer", victim, 76)
