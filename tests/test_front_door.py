@@ -22,9 +22,6 @@ from jaxdist.report import main as report_main
 from jaxdist.train import config as config_lib
 from jaxdist.train import main as train_main
 
-# One worker runs this file: its module fixtures are then made once, not once per worker.
-pytestmark = pytest.mark.xdist_group("front_door")
-
 COMMON = ["--num-devices", "2", "--log-every", "1", "--compile-cache", "off"]
 GPT = ["--model", "gpt", "--data", "grammar", "--seq-len", "16", "--d-model", "16"]
 GPT += ["--n-heads", "2", "--n-layers", "1", "--global-batch-size", "8"]

@@ -18,9 +18,6 @@ from jaxdist.models.gpt import GPT
 from jaxdist.parallel.layout import LayoutError, path_name, state_shardings
 from jaxdist.train.trainer import main
 
-# One worker runs this file: its module fixtures are then made once, not once per worker.
-pytestmark = pytest.mark.xdist_group("layouts")
-
 VOCAB, SEQ, LAYERS, STEPS, G = 64, 16, 2, 5, 16
 LAYOUTS = {
     "data=8": dict(data=8),

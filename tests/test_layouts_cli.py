@@ -25,9 +25,6 @@ from jaxdist.parallel.layout import path_name
 from jaxdist.train.config import parse_args
 from jaxdist.train.trainer import main, train
 
-# One worker runs this file: its module fixtures are then made once, not once per worker.
-pytestmark = pytest.mark.xdist_group("layouts_cli")
-
 GPT = ["--model", "gpt", "--data", "grammar", "--seq-len", "16", "--vocab-size", "260"]
 STEPS = 3
 MLP = ["--model", "mlp", "--data", "synthetic", "--in-features", "16", "--hidden", "64"]

@@ -15,9 +15,6 @@ import jaxdist
 from helpers import relative_error
 from linen_lm import LinenLM
 
-# One worker runs this file: its module fixtures are then made once, not once per worker.
-pytestmark = pytest.mark.xdist_group("layouts_linen")
-
 VOCAB, SEQ, D_MODEL, LAYERS, HEADS, D_MLP = 64, 16, 64, 2, 8, 256
 STEPS, G, LR = 5, 16, 0.5
 LAYOUTS = {

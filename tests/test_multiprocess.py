@@ -19,9 +19,6 @@ import pytest
 from helpers import alive, launch, run_cli
 from jaxdist.launch.launcher import free_port
 
-# One worker runs this file: its module fixtures are then made once, not once per worker.
-pytestmark = pytest.mark.xdist_group("multiprocess")
-
 TRAIN = [
     sys.executable,
     "-m",

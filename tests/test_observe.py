@@ -21,9 +21,6 @@ from helpers import metrics_of, small_config
 from jaxdist.train import config as config_lib
 from jaxdist.train.trainer import main, train
 
-# One worker runs this file: its module fixtures are then made once, not once per worker.
-pytestmark = pytest.mark.xdist_group("observe")
-
 EVAL_RUN = dict(steps=7, log_every=2, eval_every=3, eval_batch_size=16, num_devices=8)
 PEAK_TFLOPS = 1e-3  # the plain run's --peak-tflops: a CPU has no peak of its own
 RUNS: dict = {}  # made once per session: test_report and test_observe_mfu share them

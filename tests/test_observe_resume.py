@@ -20,9 +20,6 @@ from helpers import metrics_of, small_config
 from jaxdist.train.trainer import train
 from test_observe import SUMMARY, expected_summary, scalars, summary_rows
 
-# One worker runs this file: its module fixtures are then made once, not once per worker.
-pytestmark = pytest.mark.xdist_group("observe_resume")
-
 RESTORED, EARLIER_LAST, STEPS = 2, 5, 8
 
 

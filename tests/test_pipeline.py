@@ -27,9 +27,6 @@ from jaxdist.models.gpt import GPT
 from jaxdist.parallel.strategies.pipeline import bubble_fraction
 from test_layouts import SEQ, VOCAB, loss_fn
 
-# One worker runs this file: its module fixtures are then made once, not once per worker.
-pytestmark = pytest.mark.xdist_group("pipeline")
-
 G, STEPS, LAYERS = 32, 5, 4
 
 

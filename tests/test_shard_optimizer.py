@@ -19,9 +19,6 @@ from jaxdist.plan import Options
 from jaxdist.plan.hlo import read_program
 from test_plan import GPT, gpu_compiler_ready, param_bytes
 
-# One worker runs this file: its module fixtures are then made once, not once per worker.
-pytestmark = pytest.mark.xdist_group("shard_optimizer")
-
 STEPS, ROWS = 5, 32
 
 
