@@ -26,6 +26,16 @@ from jaxdist.cluster import cpu_backend  # noqa: E402
 cpu_backend.size_thread_pool(8)  # jaxdist's own pool size, before the backend starts
 
 jax.config.update("jax_num_cpu_devices", 8)
+# XLA's persistent compilation cache for the programs compiled in the tests' own processes
+# (a resumed run's step is its first run's; a reference is another test's), one folder
+# for the session that both workers share. Processes the tests start do not use it: each
+# is given --compile-cache or not as its test says. Safe for the pipeline on CPU since
+# the thread pool above (tests/test_collective_order.py).
+if "JAXDIST_TEST_XLA_CACHE" not in os.environ:  # the first process: workers inherit it
+    os.environ["JAXDIST_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jaxdist-test-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAXDIST_TEST_XLA_CACHE"], ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAXDIST_TEST_XLA_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 assert jax.device_count() == 8, jax.devices()
 
 
@@ -52,6 +62,13 @@ def finished(tmp_path_factory):
     from finished_runs import finished_runs
 
     return finished_runs(tmp_path_factory)
+
+
+@pytest.fixture(autouse=True)
+def session_compilation_cache():
+    """The session's cache again after a test whose run said ``--compile-cache off``."""
+    yield
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAXDIST_TEST_XLA_CACHE"])
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -140,3 +141,20 @@ def per_layer(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         else:
             out[name] = value
     return out
+
+
+def next_within(iterator, seconds=20.0):
+    """``next(iterator)`` in a thread: (returned, raised); a test failure if it blocks."""
+    out = {}
+
+    def call():
+        try:
+            out["value"] = next(iterator)
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            out["error"] = err
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"next() still blocked after {seconds} s"
+    return out.get("value"), out.get("error")

@@ -140,3 +140,21 @@ def test_on_cpu_the_compilation_cache_is_used_only_when_given(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
     assert not (tmp_path / "cache" / "xla").exists()
     assert list((tmp_path / "given").glob("*train_step*"))
+
+
+def test_off_turns_off_the_directory_jax_read_from_its_environment():
+    """JAX reads JAX_COMPILATION_CACHE_DIR when it is imported (slurm/*.sh export it):
+    ``--compile-cache off`` must undo that, not only skip jaxdist's own default."""
+    import jax
+
+    from jaxdist.train.resume import use_compile_cache
+
+    session = jax.config.jax_compilation_cache_dir  # tests/conftest.py set one, as JAX would
+    assert session
+    try:
+        for platform in ("cpu", "gpu"):
+            jax.config.update("jax_compilation_cache_dir", session)
+            assert use_compile_cache("off", platform) is None
+            assert jax.config.jax_compilation_cache_dir is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", session)

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import numpy as np
@@ -24,6 +23,7 @@ grain = pytest.importorskip("grain", reason="grain is optional: pip install 'jax
 import psutil  # noqa: E402 - grain's own dependency (through portpicker)
 
 import jaxdist  # noqa: E402
+from helpers import next_within  # noqa: E402
 from jaxdist.data import host_batches  # noqa: E402
 from jaxdist.errors import ConfigError, JaxdistError  # noqa: E402
 from jaxdist.train import build_data  # noqa: E402
@@ -225,23 +225,6 @@ def test_refusals_name_what_was_found(data, flags, words):
     with pytest.raises(ConfigError) as raised:
         build_data.build(config, "classify", progress=False)
     assert all(word in str(raised.value) for word in words), str(raised.value)
-
-
-def next_within(batches, seconds=20.0):
-    """``next(batches)`` in a thread: (returned, raised); a failure if it hangs."""
-    out = {}
-
-    def call():
-        try:
-            out["value"] = next(batches)
-        except BaseException as err:  # noqa: BLE001 - handed to the test
-            out["error"] = err
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), "a dead worker left next() waiting"
-    return out.get("value"), out.get("error")
 
 
 def test_a_dying_worker_or_a_raising_transform_ends_the_iteration():

@@ -3,30 +3,12 @@ ends: no example twice in a global batch, every example once per epoch."""
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 import jaxdist
+from helpers import next_within
 from jaxdist.data import Prefetcher
-
-
-def next_within(fetch, seconds=5.0):
-    """``next(fetch)`` in a thread: (returned, raised), or a failure if it blocks."""
-    out = {}
-
-    def call():
-        try:
-            out["value"] = next(fetch)
-        except BaseException as err:  # noqa: BLE001 - handed to the test
-            out["error"] = err
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), "next() blocked after the producer had ended"
-    return out.get("value"), out.get("error")
 
 
 def test_prefetcher_raises_the_producers_error_on_every_later_call():

@@ -19,6 +19,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+import jaxdist
 from helpers import metrics_of
 from jaxdist.errors import ConfigError
 from jaxdist.export import main as export_main
@@ -141,6 +142,40 @@ def test_init_from_sets_exactly_the_mapped_arrays_in_every_layout(weights_file, 
     # is held split over the stage devices (saved_state); pmap's copies: read once, whole
     parts = {"fsdp=2,model=2": 4, "stage=2 (stacked)": 2, "pmap, 2 copies": 1}[layout]
     assert fc == [4 * D * D // parts] * parts
+
+
+def reads_and_params(rank: int, folder: str) -> tuple[list, dict[str, np.ndarray]]:
+    """One of two processes (``jaxdist.spawn``, 2 CPU devices each) loading ``--init-from``
+    under fsdp=2,model=2: the regions it read of ``layers.0.fc.weight``, and the params."""
+    reads = []  # ((start, stop) per axis, elements)
+    real_read = files.Reader.read
+
+    def counting(self, name, index=()):
+        part = real_read(self, name, index)
+        if name == "layers.0.fc.weight":
+            reads.append((tuple((s.start, s.stop) for s in index), part.size))
+        return part
+
+    files.Reader.read = counting
+    run = initial(settings("--init-from", f"{folder}/model.safetensors", "--init-map",
+                           f"{folder}/map.yaml", "--mesh", "fsdp=2,model=2"))  # fmt: skip
+    return reads, run.dp.host_params(run.state, per_layer=True)
+
+
+def test_two_processes_each_read_only_their_own_devices_regions(weights_file):
+    folder, src = weights_file
+    ranks = jaxdist.spawn(reads_and_params, args=(str(folder),), nprocs=2,
+                          cpu_devices_per_proc=2, timeout=120)  # fmt: skip
+    quarter = 4 * D * D // 4  # (128, 32) split four ways by fsdp x model
+    for reads, _ in ranks:  # each process: its own two devices' quarters, nothing else
+        assert [size for _, size in reads] == [quarter, quarter], reads
+    regions = [region for reads, _ in ranks for region, _ in reads]
+    assert len(set(regions)) == 4, regions  # together: the whole tensor, each part once
+    want = expected_params(src)
+    for _, params in ranks:
+        assert sorted(params) == sorted(want)
+        for name, value in want.items():
+            np.testing.assert_array_equal(params[name], value, err_msg=name)
 
 
 def _leaves(tree):

@@ -49,9 +49,13 @@ def use_compile_cache(setting: str, platform: str = "") -> Path | None:
     and XLA aborted the run in its rendezvous, while the same step compiled afresh ran
     (``tests/test_collective_order.py``). A directory given (``--compile-cache DIR``,
     ``JAX_COMPILATION_CACHE_DIR``) is used on CPU too: jaxdist's thread pool
-    (``jaxdist.cluster.cpu_backend``) lets such runs finish as well."""
+    (``jaxdist.cluster.cpu_backend``) lets such runs finish as well. ``off`` is off even
+    where JAX_COMPILATION_CACHE_DIR is set (slurm/*.sh set it)."""
     given = setting or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    if setting == "off" or (platform == "cpu" and not given):
+    if setting == "off":  # JAX read JAX_COMPILATION_CACHE_DIR itself when it was imported
+        jax.config.update("jax_compilation_cache_dir", None)
+        return None
+    if platform == "cpu" and not given:
         return None
     # --compile-cache, else JAX's own variable (slurm/*.sh set it), else the jaxdist cache
     path = Path(given or default_cache_dir() / "xla")
