@@ -52,6 +52,7 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--scan-layers", action="store_true", help="jaxdist: one scanned block")
     parser.add_argument("--remat", default="none", choices=["none", "block", "full"])
     parser.add_argument("--loss-chunks", type=int, default=0, help="jaxdist: fused loss slices")
+    parser.add_argument("--fp8", action="store_true", help="jaxdist: float8 linear layers")
     parser.add_argument("--no-donate", action="store_true", help="plain JAX: copy, not donate")
     parser.add_argument("--profile", default="", help="jaxdist: trace 5 steps into this dir")
     parser.add_argument("--note", default="", help="a label kept in the records")
@@ -92,6 +93,7 @@ def child_argv(args, who: str, size: str) -> list[str]:
     argv += ["--strategy", args.strategy, "--remat", args.remat]
     argv += ["--loss-chunks", str(args.loss_chunks), "--torch-backend", args.torch_backend]
     argv += ["--scan-layers"] * args.scan_layers + ["--no-donate"] * args.no_donate
+    argv += ["--fp8"] * args.fp8
     argv += ["--profile", args.profile] if args.profile else []
     argv += ["--note", args.note] if args.note else []
     return argv + (["--cpu"] if args.cpu else [])

@@ -44,6 +44,7 @@ def measure(args, who: str, size: str, dims: dict, run: dict) -> dict:
     if who == "jaxdist":
         record.update(strategy=args.strategy, scan_layers=args.scan_layers, remat=args.remat)
         record["loss_chunks"] = args.loss_chunks
+        record["fp8"] = getattr(args, "fp8", False)
     elif who == "plain-jax":
         record["donate"] = not args.no_donate
     if who == "torch.compile":
@@ -108,6 +109,7 @@ def _config(args, dims: dict, run: dict, data_path: str, run_dir: str = ""):
     model = {"name": "gpt", "attention": args.attention, "dtype": run["dtype"]}
     model.update(vocab_size=run["vocab_size"], seq_len=run["seq_len"], **dims)
     model.update(scan_layers=args.scan_layers, remat=args.remat, loss_chunks=args.loss_chunks)
+    model["fp8"] = getattr(args, "fp8", False)
     # the first step compiles, the warm-up's others follow, then the timed windows: one
     # log record per window (the loop waits for the device at each)
     steps = run["warmup"] + run["steps"]

@@ -1,23 +1,33 @@
 """One GPU session's measurements of experiments/PERF.md, inside a fixed device budget.
 
 Command:   python experiments/gpu_round.py --out DIR [--budget-s 540]
+           python experiments/gpu_round.py --out DIR --cpu     # the rehearsal, on a CPU
 Hardware:  one H100 or H200 (a session is lent about 15 minutes of device time in all).
-Expected:  DIR/gpu_round.jsonl, one bench_gpt.py record per run (``phase`` "compile" or
-           "timed"), DIR/profile/ (a 5-step trace of jaxdist's 124M step and its
-           summary), DIR/gpu_round.log; the runs that did not fit the budget are
-           records with "skipped".
+Expected:  DIR/gpu_round.jsonl, one record per run as it ends (``phase`` "compile" or
+           "timed"; bench_gpt.py's records, and ``{"job": ...}`` records of the scripts),
+           DIR/profile/ (a 5-step trace of jaxdist's fp8 355M step and its summary),
+           DIR/plan_vs_measured_*.json, DIR/offload.jsonl, DIR/cpu_tests.log (the pipeline,
+           seq and offload tests under this machine's JAX, on its CPU), DIR/gpu_round.log;
+           what did not fit the budget is a record with "skipped"; a summary table at
+           the end.
 
-Cold compilation dominates: about 20 programs of 30-90 s each would not fit one session
+What runs, in priority order (issue: the GPU round): the baseline (jaxdist, plain JAX and
+torch.compile at GPT-2 124M and 355M), the fused loss (``--loss-chunks 8``), ``--fp8``,
+a trace of the fp8 step, the planner against the device (``plan_vs_measured.py``), the
+offload study (``offload.py``). The Llama-family, MoE and long-context benchmarks join
+this list when those models exist.
+
+Cold compilation dominates: some 20 programs of 10-60 s each would not fit one session
 run one after another. So the runs go in two phases sharing one JAX compilation cache
 (and one TorchInductor cache):
 
 1. "compile": every run but the first, several at a time (as many as the GPU's memory
    holds), each capped to its share of the memory. Their compile times are cold but
    contended (several compilers share 16 cores and the GPU's autotuning); their step
-   times are not measurements.
+   times are not measurements. Beside them, on the CPU alone, the planner's predictions
+   (``plan_vs_measured.py --predict-only``) and the CPU tests, at low priority.
 2. "timed": one run at a time, in priority order, with warm caches. The first, jaxdist's
-   124M baseline, compiles cold and alone (the clean cold compile time); the last
-   repeats it with the cache warm.
+   124M baseline, compiles cold and alone (the clean cold compile time).
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ sys.path.insert(0, str(HERE))
 
 import bench_gpt  # noqa: E402
 
-LHS = "--xla_gpu_enable_latency_hiding_scheduler=true"
+FUSED, FP8 = ["--loss-chunks", "8"], ["--fp8"]
 # (note, who, size, bench_gpt.py options, extra XLA flags), in priority order
 RUNS = [
     ("baseline", "jaxdist", "124M", [], ""),
@@ -46,37 +56,69 @@ RUNS = [
     ("baseline", "jaxdist", "355M", [], ""),
     ("baseline", "plain-jax", "355M", [], ""),
     ("baseline", "torch.compile", "355M", [], ""),
-    ("xla attention", "jaxdist", "124M", ["--attention", "xla"], ""),
-    ("xla attention", "plain-jax", "124M", ["--attention", "xla"], ""),
-    ("shard_map", "jaxdist", "124M", ["--strategy", "shard_map"], ""),
-    ("pmap", "jaxdist", "124M", ["--strategy", "pmap"], ""),
-    ("profile", "jaxdist", "124M", ["--profile", "{out}/profile"], ""),
-    ("cache warm", "jaxdist", "124M", [], ""),
-    ("fused loss, 8 slices", "jaxdist", "124M", ["--loss-chunks", "8"], ""),
-    ("fused loss, 8 slices", "jaxdist", "355M", ["--loss-chunks", "8"], ""),
-    ("scan layers", "jaxdist", "124M", ["--scan-layers"], ""),
-    ("remat block", "jaxdist", "124M", ["--remat", "block"], ""),
-    ("no donation", "plain-jax", "124M", ["--no-donate"], ""),
-    ("latency-hiding scheduler", "jaxdist", "124M", [], LHS),
-    ("command buffers off", "jaxdist", "124M", [], "--xla_gpu_enable_command_buffer="),
-    ("autotune level 0", "jaxdist", "124M", [], "--xla_gpu_autotune_level=0"),
+    ("fused loss, 8 slices", "jaxdist", "124M", FUSED, ""),
+    ("fused loss, 8 slices", "jaxdist", "355M", FUSED, ""),
+    ("fp8", "jaxdist", "355M", FP8, ""),
+    ("fp8", "jaxdist", "124M", FP8, ""),
+    ("fp8 + fused loss", "jaxdist", "355M", FP8 + FUSED, ""),
+    ("profile fp8", "jaxdist", "355M", FP8 + ["--profile", "{out}/profile"], ""),
 ]
 # Not in the compile phase: jaxdist's 124M baseline (its clean cold compile) and the runs
-# of the same program (the profile, the rerun with the cache warm)
-COMPILED_ALONE = {0} | {i for i, r in enumerate(RUNS) if r[0] in ("profile", "cache warm")}
+# of a program compiled by another (the profile)
+COMPILED_ALONE = {0} | {i for i, r in enumerate(RUNS) if r[0].startswith("profile")}
 GB_PER_UNIT = 18  # a 124M run's share of GPU memory in the compile phase; 355M takes two
+
+
+def scripts(out: Path, cpu: bool, warm: bool = False) -> list[tuple]:
+    """(job, command, memory units, JSON-lines file or None): the studies after the bench
+    runs, in priority order. ``out``: where each writes its files (not the round's
+    folder: only a few files come back from the machine; their rows go into
+    gpu_round.jsonl). ``warm``: the compile phase's run, which only compiles and measures
+    (the planner's predictions are the background's)."""
+    py = sys.executable
+    plan = [py, str(HERE / "plan_vs_measured.py"), "--out", str(out)]
+    plan += ["--measure-only"] * warm
+    offload = [py, str(HERE / "offload.py"), "--out", str(out / "offload.jsonl")]
+    if cpu:
+        plan += ["--sizes", "tiny", "--steps", "2"]
+        offload += ["--cpu-devices", "8", "--mesh", "fsdp=8", "--small"]
+    return [("plan vs measured", plan, 3, None), ("offload", offload, 1, out / "offload.jsonl")]
+
+
+def background(work: Path, target: str, cpu: bool) -> list[tuple[str, list[str]]]:
+    """(job, command): CPU-only work started with the compile phase, at low priority;
+    the planner's predictions go to ``work``, where the timed study reads them."""
+    py = sys.executable
+    predict = [py, str(HERE / "plan_vs_measured.py"), "--predict-only", "--target", target]
+    predict += ["--out", str(work)] + (["--sizes", "tiny"] if cpu else [])
+    tests = ["tests/test_pipeline.py", "tests/test_pipeline_schedules.py"]
+    tests += ["tests/test_sequence_parallel.py", "tests/test_offload.py"]
+    pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2" if cpu else "6"]
+    pytest += ["--durations=10"] + (["-k", "refusals", tests[2]] if cpu else tests)
+    return [("plan predictions", predict), ("cpu tests", pytest)]
 
 
 def gpu_memory_gb(cpu: bool) -> float:
     if cpu:  # a dry run of the driver on the CPU (tests): tiny models, two at a time
         return 2 * GB_PER_UNIT / 0.9
+    return float(nvidia_smi("memory.total")) / 1024
+
+
+def nvidia_smi(field: str) -> str:
     out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
         capture_output=True,
         text=True,
         check=True,
     )
-    return float(out.stdout.split()[0]) / 1024
+    return out.stdout.strip().splitlines()[0]
+
+
+def plan_target(cpu: bool) -> str:
+    """The planner's name for this card."""
+    if cpu:
+        return "cpu:1"
+    return "H200" if "H200" in nvidia_smi("name").upper() else "H100-80GB"
 
 
 class Budget:
@@ -111,37 +153,106 @@ def one(spec, out: Path, env: dict, timeout: float, cpu: bool) -> dict:
     return record
 
 
-def compile_phase(out: Path, caches: dict, deadline: float, log, cpu: bool) -> list[dict]:
+def script(job: str, command: list[str], env: dict, timeout: float, lines_file=None) -> dict:
+    """A study's command in its own process; its JSON lines (printed, or in
+    ``lines_file``) and the end of its output."""
+    started = time.perf_counter()
+    if lines_file is not None and lines_file.exists():
+        lines_file.unlink()
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, env={**os.environ, **env}, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as err:
+        return {"job": job, "error": f"timeout {err.timeout:.0f} s"}
+    text = lines_file.read_text() if lines_file and lines_file.exists() else done.stdout
+    lines = [json.loads(x) for x in text.splitlines() if x.startswith("{")]
+    record = {"job": job, "exit": done.returncode, "results": lines}
+    record.update(wall_s=round(time.perf_counter() - started, 1), tail=done.stdout[-1500:])
+    if done.returncode:
+        record["error"] = f"exit {done.returncode}: {done.stderr[-1500:]}"
+    return record
+
+
+def compile_phase(out: Path, work: Path, caches: dict, deadline: float, log, cpu: bool) -> None:
     total_gb = gpu_memory_gb(cpu)
     units = max(1, int(total_gb * 0.9 // GB_PER_UNIT))
-    budget, records = Budget(units), []
+    budget = Budget(units)
     log(f"compile phase: {total_gb:.0f} GB GPU, {units} memory units of {GB_PER_UNIT} GB")
+    scratch = work / "compile-phase"  # the studies' files from this phase are not kept
+    scratch.mkdir(parents=True, exist_ok=True)
 
-    def work(i: int):
-        spec = RUNS[i]
-        need = min(units, 2 if spec[2] == "355M" else 1)
+    def work(item):
+        need = min(units, item[0])
         budget.take(need)
         try:
             left = deadline - time.time()
             if left < 20:
-                return {"who": spec[1], "size": spec[2], "note": spec[0], "skipped": "time"}
-            env = {**caches, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{need * GB_PER_UNIT / total_gb:.3f}"
-            record = one(spec, out, env, left, cpu)
+                record = {"skipped": "time"}
+            else:
+                env = {**caches, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+                env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{need * GB_PER_UNIT / total_gb:.3f}"
+                record = item[1](env, left)
         finally:
             budget.give(need)
         record["phase"] = "compile"
-        log(f"  compiled {spec[0]} {spec[1]} {spec[2]}: {short(record)}", record)
-        return record
+        log(f"  compiled {item[2]}: {short(record)}", record)
 
-    order = [i for i in range(len(RUNS)) if i not in COMPILED_ALONE]
-    order.sort(key=lambda i: RUNS[i][2] != "355M")  # the longest compiles first
+    items = []
+    for i, spec in enumerate(RUNS):
+        if i not in COMPILED_ALONE:
+            need = 2 if spec[2] == "355M" else 1
+            label = f"{spec[0]} {spec[1]} {spec[2]}"
+            items.append((need, lambda env, left, spec=spec: one(spec, out, env, left, cpu), label))
+    for job, command, need, lines in scripts(scratch, cpu, warm=True):
+        run = lambda env, left, j=job, c=command, f=lines: script(j, c, env, left, f)  # noqa: E731
+        items.append((need, run, job))
+    items.sort(key=lambda item: -item[0])  # the largest (longest compiles) first
     with ThreadPoolExecutor(max_workers=units) as pool:
-        records = list(pool.map(work, order))
-    return records
+        list(pool.map(work, items))
 
 
-def timed_phase(out: Path, caches: dict, deadline: float, log, cpu: bool) -> list[dict]:
+def start_background(out: Path, work: Path, target: str, log, cpu: bool) -> list:
+    """The CPU-only jobs, started now at low priority; each writes DIR/<job>.log."""
+    started = []
+    for job, command in background(work, target, cpu):
+        name = job.replace(" ", "_")
+        handle = open(out / f"{name}.log", "w")  # noqa: SIM115 - closed by finish_background
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(HERE.parent)}
+        proc = subprocess.Popen(
+            ["nice", "-n", "19", *command], stdout=handle, stderr=subprocess.STDOUT,
+            env=env, cwd=HERE.parent,
+        )  # fmt: skip
+        ended: dict = {}  # when it exited, read by finish_background
+        threading.Thread(target=_note_exit, args=(proc, ended), daemon=True).start()
+        started.append((job, proc, handle, time.time(), ended))
+        log(f"background: {job} started ({' '.join(command[1:4])} ...)")
+    return started
+
+
+def _note_exit(proc: subprocess.Popen, ended: dict) -> None:
+    proc.wait()
+    ended["at"] = time.time()
+
+
+def finish_background(started: list, deadline: float, out: Path, log) -> None:
+    for job, proc, handle, began, ended in started:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        handle.close()
+        text = (out / f"{job.replace(' ', '_')}.log").read_text()
+        wall = ended.get("at", time.time()) - began
+        record = {"job": job, "exit": proc.returncode, "wall_s": round(wall, 1)}
+        record["tail"] = text[-1500:]
+        log(f"  background {job}: exit {proc.returncode}", record)
+
+
+def timed_phase(
+    out: Path, work: Path, caches: dict, deadline: float, log, cpu: bool, before_scripts
+) -> list[dict]:
     records = []
     for spec in RUNS:
         left = deadline - time.time()
@@ -152,12 +263,41 @@ def timed_phase(out: Path, caches: dict, deadline: float, log, cpu: bool) -> lis
         record["phase"] = "timed"
         log(f"  timed {spec[0]} {spec[1]} {spec[2]}: {short(record)}", record)
         records.append(record)
+    before_scripts()
+    for job, command, _, lines in scripts(work, cpu):
+        left = deadline - time.time()
+        if left < 30:
+            record = {"job": job, "skipped": "time"}
+        else:
+            record = script(job, command, caches, left, lines)
+        record["phase"] = "timed"
+        log(f"  timed {job}: {short(record)}", record)
     return records
+
+
+def environment(cpu: bool) -> dict:
+    """The record that opens the round: the card, the driver, the versions, the commit."""
+    import importlib.metadata as meta
+
+    record = {"job": "environment", "python": sys.version.split()[0]}
+    for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "torch", "transformers"):
+        try:
+            record[name] = meta.version(name)
+        except meta.PackageNotFoundError:
+            record[name] = None
+    if not cpu:
+        record["gpu"] = nvidia_smi("name,memory.total,driver_version,clocks.max.sm")
+    git = ["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"]
+    head = subprocess.run(git, capture_output=True, text=True)  # the copy may have no .git
+    record["commit"] = head.stdout.strip() or os.environ.get("JAXDIST_COMMIT")
+    return record
 
 
 def short(r: dict) -> str:
     if "error" in r or "skipped" in r:
         return (r.get("skipped") or r["error"])[-600:]
+    if "job" in r:
+        return f"exit {r['exit']}, {len(r['results'])} results, wall {r['wall_s']} s"
     return (
         f"{r['step_ms']:.2f} ms/step, {r['tokens_per_s']:,.0f} tok/s, MFU {r['mfu']:.1%}, "
         f"compile {r['compile_s']:.1f} s, wall {r['wall_s']} s"
@@ -172,11 +312,11 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--compile-share",
         type=float,
-        default=0.4,
+        default=0.35,
         help="the share of the budget the compile phase may use",
     )
     args = parser.parse_args(argv)
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     lock = threading.Lock()
@@ -199,9 +339,18 @@ def main(argv=None) -> None:
         "TORCHINDUCTOR_CACHE_DIR": str(cache_root / "inductor"),
         "PYTHONUNBUFFERED": "1",
     }
-    deadline = start + args.budget_s * args.compile_share
-    compile_phase(out, caches, deadline, log, args.cpu)
-    records = timed_phase(out, caches, start + args.budget_s, log, args.cpu)
+    work = cache_root / "studies"
+    work.mkdir(parents=True, exist_ok=True)
+    log("environment", environment(args.cpu))
+    end = start + args.budget_s
+    started = start_background(out, work, plan_target(args.cpu), log, args.cpu)
+    compile_phase(out, work, caches, start + args.budget_s * args.compile_share, log, args.cpu)
+
+    def predictions():  # written before the planner's study is timed (or it plans itself)
+        finish_background(started[:1], min(end - 90, time.time() + 60), out, log)
+
+    records = timed_phase(out, work, caches, end, log, args.cpu, predictions)
+    finish_background(started[1:], time.time() + 5, out, log)
     log("timed runs:\n" + bench_gpt.table(records))
 
 

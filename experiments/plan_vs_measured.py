@@ -3,8 +3,14 @@
 next to the ones measured on the device, for the GPT at three sizes.
 
 Command:   python experiments/plan_vs_measured.py --out experiments/results [--steps 10]
+           python experiments/plan_vs_measured.py --predict-only --target H200 --out DIR
+           python experiments/plan_vs_measured.py --out DIR   # then reads DIR's predictions
 Hardware:  one NVIDIA GPU (H100 80GB or H200); ``--sizes tiny`` runs on a CPU as a smoke
            test (no memory statistics there, and a nominal peak: no comparison).
+           ``--predict-only`` needs no GPU (the planner compiles without one): run with
+           JAX_PLATFORMS=cpu, it writes OUT/plan_predictions_<target>.json, which a later
+           run on the GPU reads instead of planning again (gpu_round.py plans while it
+           compiles its other programs).
 Expected:  predicted peak within 10% of ``memory_stats()["peak_bytes_in_use"]`` and
            predicted step time within 25% of the measured median (the planner's bar);
            OUT/plan_vs_measured_<device>.json and a markdown table on stdout.
@@ -90,18 +96,35 @@ def predict(size: str, target: str) -> dict:
     }  # fmt: skip
 
 
+def predictions_file(out: Path, target: str) -> Path:
+    return out / f"plan_predictions_{target}.json"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sizes", default="124M,355M,1.3B")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--predict-only", action="store_true", help="plan; touch no device")
+    parser.add_argument("--target", default="", help="with --predict-only: H200, H100-80GB...")
+    parser.add_argument("--measure-only", action="store_true", help="no planning (warm-up)")
     args = parser.parse_args()
+    sizes = args.sizes.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.predict_only:
+        found = {size: predict(size, args.target) for size in sizes}
+        predictions_file(args.out, args.target).write_text(json.dumps(found, indent=1))
+        print(json.dumps(found), flush=True)
+        return
     device = jax.devices()[0]
     target = target_for(device)
     kind = targets.parse_target(target).kind
+    planned = predictions_file(args.out, target)
+    known = json.loads(planned.read_text()) if planned.exists() else {}
     rows = []
-    for size in args.sizes.split(","):
-        predicted, measured = predict(size, target), measure(size, args.steps)
+    for size in sizes:
+        predicted = known.get(size) or ({} if args.measure_only else predict(size, target))
+        measured = measure(size, args.steps)
         row = {"size": size, "target": target, "predicted": predicted, "measured": measured}
         if measured["peak_bytes"] and "peak_bytes" in predicted:
             row["memory_error"] = predicted["peak_bytes"] / measured["peak_bytes"] - 1
@@ -110,7 +133,6 @@ def main() -> None:
             row["matching_efficiency"] = predicted["matmul_flops"] / (peak * measured["step_s"])
         rows.append(row)
         print(json.dumps(row), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
     name = device.device_kind.replace(" ", "_")
     (args.out / f"plan_vs_measured_{name}.json").write_text(json.dumps(rows, indent=1))
     print("| size | predicted peak | measured peak | error | predicted step | measured step |"

@@ -39,7 +39,7 @@ from jaxdist.cluster import (
 from jaxdist.data import DistributedSampler, EvalSampler
 from jaxdist.errors import ConfigError, JaxdistError, ModelError
 from jaxdist.launch import SpawnError, spawn
-from jaxdist.models import as_nnx, attention
+from jaxdist.models import as_nnx, attention, fp8_dot_general
 from jaxdist.parallel import (
     BadBatchError,
     DataParallel,
@@ -78,6 +78,7 @@ __all__ = [
     "attention",
     "barrier",
     "flops",
+    "fp8_dot_general",
     "initialize",
     "is_main_process",
     "make_mesh",

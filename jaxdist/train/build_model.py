@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxdist.data.text import BYTE_VOCAB
 from jaxdist.errors import ConfigError
+from jaxdist.models import fp8
 from jaxdist.train.config import ModelConfig
 from jaxdist.train.factories import bind, import_object, parse_model_args
 
@@ -86,7 +88,35 @@ def model_factory(cfg: ModelConfig, seed: int) -> Callable[[], object]:
     A user factory ``package.module:function`` (or a model class) is called by parameter
     name: ``rngs`` gets ``nnx.Rngs(seed)``, ``config`` (or ``model_config``, ``cfg``) the
     ModelConfig, any other parameter a value from ``--model-args`` or its default. It
-    returns an ``nnx.Module`` or a ``linen.Module``."""
+    returns an ``nnx.Module`` or a ``linen.Module``. With ``--fp8`` the model's linear
+    layers compute in float8 (``jaxdist.models.fp8``)."""
+    build = _factory(cfg, seed)
+    return Fp8Builder(build) if cfg.fp8 else build
+
+
+class Fp8Builder:
+    """A builder whose model's ``nnx.Linear`` layers compute in float8; the first build
+    says which in one line (process 0)."""
+
+    def __init__(self, build: Callable[[], object]):
+        self.build, self.said = build, False
+
+    def __call__(self):
+        model = self.build()
+        if not isinstance(model, nnx.Module):
+            raise ConfigError(
+                f"--fp8 converts an NNX model's nnx.Linear layers; this model is a "
+                f"{type(model).__name__} (Linen): give its nn.Dense layers "
+                "dot_general=jaxdist.fp8_dot_general instead of --fp8"
+            )
+        conversion = fp8.convert(model)
+        if not self.said and jax.process_index() == 0:
+            print(conversion.describe(), flush=True)
+        self.said = True
+        return model
+
+
+def _factory(cfg: ModelConfig, seed: int) -> Callable[[], object]:
     if cfg.name in BUILTIN:
         if cfg.model_args:
             raise ConfigError(

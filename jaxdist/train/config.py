@@ -65,6 +65,9 @@ class ModelConfig:
     # attention over a `seq` mesh axis: gather the keys and values, or ring (ppermute)
     seq_attention: Literal["gather", "ring"] = "ring"
     layer_norm_eps: float = 1e-6  # gpt: LayerNorm's epsilon (GPT-2's is 1e-5)
+    # float8 matmuls in the model's nnx.Linear layers (e4m3 forward, e5m2 gradients,
+    # per-tensor current scaling; jaxdist/models/fp8.py); master weights stay float32
+    fp8: bool = False
     # start from these weights (a .safetensors file, or a folder with its index JSON),
     # renamed and reshaped by --init-map (a YAML file, or a shipped map: gpt2)
     init_from: str = ""
