@@ -51,7 +51,9 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--strategy", default="gspmd", choices=["gspmd", "shard_map", "pmap"])
     parser.add_argument("--scan-layers", action="store_true", help="jaxdist: one scanned block")
     parser.add_argument("--remat", default="none", choices=["none", "block", "full"])
-    parser.add_argument("--loss-chunks", type=int, default=0, help="jaxdist: fused loss slices")
+    parser.add_argument(
+        "--loss-chunks", type=int, default=-1, help="jaxdist: fused loss slices (-1: its default)"
+    )
     parser.add_argument("--fp8", action="store_true", help="jaxdist: float8 linear layers")
     parser.add_argument("--no-donate", action="store_true", help="plain JAX: copy, not donate")
     parser.add_argument("--profile", default="", help="jaxdist: trace 5 steps into this dir")

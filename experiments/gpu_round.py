@@ -4,15 +4,17 @@ Command:   python experiments/gpu_round.py --out DIR [--budget-s 540]
            python experiments/gpu_round.py --out DIR --cpu     # the rehearsal, on a CPU
 Hardware:  one H100 or H200 (a session is lent about 15 minutes of device time in all).
 Expected:  DIR/gpu_round.jsonl, one record per run as it ends (``phase`` "compile" or
-           "timed"; bench_gpt.py's records, and ``{"job": ...}`` records of the scripts),
-           DIR/profile/ (a 5-step trace of jaxdist's fp8 355M step and its summary),
-           DIR/plan_vs_measured_*.json, DIR/offload.jsonl, DIR/cpu_tests.log (the pipeline,
-           seq and offload tests under this machine's JAX, on its CPU), DIR/gpu_round.log;
-           what did not fit the budget is a record with "skipped"; a summary table at
-           the end.
+           "timed"; bench_gpt.py's records, ``{"job": ...}`` records of the studies with
+           their rows, and the environment first), DIR/profile/ (a 5-step trace of
+           jaxdist's fp8 355M step and its summary), DIR/cpu_tests.log (the pipeline, seq
+           and offload tests under this machine's JAX, on its CPU),
+           DIR/plan_predictions.log, DIR/gpu_round.log: 6 files, within what a device call
+           brings back. What did not fit the budget is a record with "skipped"; a summary
+           table ends the log. Measured 2026-11-27 on an H200: experiments/PERF.md.
 
 What runs, in priority order (issue: the GPU round): the baseline (jaxdist, plain JAX and
-torch.compile at GPT-2 124M and 355M), the fused loss (``--loss-chunks 8``), ``--fp8``,
+torch.compile at GPT-2 124M and 355M; jaxdist with its defaults, which on a GPU include
+the fused loss in 8 slices), jaxdist with the plain loss (``--loss-chunks 0``), ``--fp8``,
 a trace of the fp8 step, the planner against the device (``plan_vs_measured.py``), the
 offload study (``offload.py``). The Llama-family, MoE and long-context benchmarks join
 this list when those models exist.
@@ -47,7 +49,7 @@ sys.path.insert(0, str(HERE))
 
 import bench_gpt  # noqa: E402
 
-FUSED, FP8 = ["--loss-chunks", "8"], ["--fp8"]
+PLAIN, FP8 = ["--loss-chunks", "0"], ["--fp8"]  # jaxdist's default on GPU: 8 slices
 # (note, who, size, bench_gpt.py options, extra XLA flags), in priority order
 RUNS = [
     ("baseline", "jaxdist", "124M", [], ""),
@@ -56,11 +58,10 @@ RUNS = [
     ("baseline", "jaxdist", "355M", [], ""),
     ("baseline", "plain-jax", "355M", [], ""),
     ("baseline", "torch.compile", "355M", [], ""),
-    ("fused loss, 8 slices", "jaxdist", "124M", FUSED, ""),
-    ("fused loss, 8 slices", "jaxdist", "355M", FUSED, ""),
+    ("plain loss", "jaxdist", "124M", PLAIN, ""),
+    ("plain loss", "jaxdist", "355M", PLAIN, ""),
     ("fp8", "jaxdist", "355M", FP8, ""),
     ("fp8", "jaxdist", "124M", FP8, ""),
-    ("fp8 + fused loss", "jaxdist", "355M", FP8 + FUSED, ""),
     ("profile fp8", "jaxdist", "355M", FP8 + ["--profile", "{out}/profile"], ""),
 ]
 # Not in the compile phase: jaxdist's 124M baseline (its clean cold compile) and the runs
@@ -82,7 +83,8 @@ def scripts(out: Path, cpu: bool, warm: bool = False) -> list[tuple]:
     if cpu:
         plan += ["--sizes", "tiny", "--steps", "2"]
         offload += ["--cpu-devices", "8", "--mesh", "fsdp=8", "--small"]
-    return [("plan vs measured", plan, 3, None), ("offload", offload, 1, out / "offload.jsonl")]
+    # the planner's study measures up to 1.3B: 51 GB at its peak, 4 units
+    return [("plan vs measured", plan, 4, None), ("offload", offload, 1, out / "offload.jsonl")]
 
 
 def background(work: Path, target: str, cpu: bool) -> list[tuple[str, list[str]]]:
@@ -288,8 +290,9 @@ def environment(cpu: bool) -> dict:
     if not cpu:
         record["gpu"] = nvidia_smi("name,memory.total,driver_version,clocks.max.sm")
     git = ["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"]
-    head = subprocess.run(git, capture_output=True, text=True)  # the copy may have no .git
-    record["commit"] = head.stdout.strip() or os.environ.get("JAXDIST_COMMIT")
+    # a copied tree's .git may be older than its files: JAXDIST_COMMIT names them
+    head = subprocess.run(git, capture_output=True, text=True)
+    record["commit"] = os.environ.get("JAXDIST_COMMIT") or head.stdout.strip() or None
     return record
 
 

@@ -14,6 +14,8 @@ import pytest
 from helpers import per_layer
 from jaxdist import losses
 from jaxdist.losses import fused_cross_entropy
+from jaxdist.train import build_model
+from jaxdist.train.build_model import loss_chunks
 from jaxdist.train.config import ConfigError, from_dict
 from jaxdist.train.trainer import train
 
@@ -96,3 +98,35 @@ def test_training_with_chunks_equals_training_without(unchunked, mesh, monkeypat
 def test_chunks_that_cannot_apply_are_refused(model, message):
     with pytest.raises(ConfigError, match=message):
         from_dict({"model": model})
+
+
+@pytest.mark.parametrize(
+    "model, platform, chunks",
+    [
+        ({"name": "gpt", "seq_len": 1024}, "gpu", 8),  # the default on a GPU
+        ({"name": "gpt", "seq_len": 1024}, "cuda", 8),  # a GPU the planner compiles for
+        ({"name": "gpt", "seq_len": 1024}, "cpu", 0),
+        ({"name": "gpt", "seq_len": 36}, "gpu", 0),  # 8 does not divide the sequence
+        ({"name": "gpt", "seq_len": 64, "loss": "helpers:small_config"}, "gpu", 0),  # own loss
+        ({"name": "mlp"}, "gpu", 0),
+        ({"name": "gpt", "seq_len": 64, "loss_chunks": 0}, "gpu", 0),  # asked: kept
+        ({"name": "gpt", "seq_len": 64, "loss_chunks": 4}, "cpu", 4),
+    ],
+)
+def test_auto_chunks_are_eight_on_a_gpu_for_the_gpts_own_loss(model, platform, chunks):
+    assert from_dict({"model": model}).model.loss_chunks == model.get("loss_chunks", -1)
+    assert loss_chunks(from_dict({"model": model}).model, platform) == chunks
+
+
+def test_auto_is_said_and_trains_as_eight_slices_on_a_gpu_platform(monkeypatch, capsys):
+    """On a GPU's platform name (faked: the CPU devices report "gpu") the default takes
+    the fused loss, says so, and trains what --loss-chunks 8 trains."""
+    model = {"name": "gpt", "seq_len": 32, "vocab_size": 300}
+    flags = {"steps": 3, "global_batch_size": 8, "log_every": 1, "tensorboard": False}
+    config = from_dict({"model": model, "train": {**flags, "num_devices": 1}})
+    monkeypatch.setattr(build_model, "loss_chunks", lambda cfg, platform: loss_chunks(cfg, "gpu"))
+    auto = [h["loss"] for h in train(config, write=False, quiet=True).history]
+    assert "--loss-chunks auto: the GPT's loss in 8 slices" in capsys.readouterr().out
+    config.model.loss_chunks = 8
+    eight = [h["loss"] for h in train(config, write=False, quiet=True).history]
+    assert auto == eight

@@ -287,22 +287,3 @@ def read_program(hlo_text: str, num_devices: int) -> ProgramCounts:
             collectives += [found] if found else []
             flops += _matmul_flops(instr, shapes) * runs[name]
     return ProgramCounts(tuple(collectives), flops, unknown)
-
-
-def float8_dots(hlo_text: str) -> dict:
-    """The matmuls (``dot``, cuBLAS GEMM custom-calls) of a compiled program whose two
-    operands are float8, counted once each wherever they sit (loops not multiplied):
-    ``{"total": n, "pairs": {"f8e4m3fn x f8e5m2": k, ...}}`` (lhs x rhs element types)."""
-    comps, _ = _parse_module(hlo_text)
-    pairs: dict[str, int] = {}
-    for comp in comps.values():
-        shapes = {i.name: i.shape for i in comp.instrs}
-        for instr in comp.instrs:
-            gemm = instr.opcode == "custom-call" and any(t in instr.attrs for t in _GEMM_TARGETS)
-            if instr.opcode != "dot" and not gemm:
-                continue
-            types = [(_arrays(s) or [("", ())])[0][0] for _, s in _operands(instr, shapes)[:2]]
-            if len(types) == 2 and all(t.startswith("f8") for t in types):
-                key = " x ".join(types)
-                pairs[key] = pairs.get(key, 0) + 1
-    return {"total": sum(pairs.values()), "pairs": pairs}

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxdist.data.text import BYTE_VOCAB
 from jaxdist.errors import ConfigError
+from jaxdist.losses import default_loss, make_fused_next_token_loss
 from jaxdist.models import fp8
 from jaxdist.train.config import ModelConfig
 from jaxdist.train.factories import bind, import_object, parse_model_args
@@ -67,6 +68,35 @@ def attention_kernel(cfg: ModelConfig) -> str:
     import jax
 
     return "cudnn" if jax.default_backend() == "gpu" and cfg.dtype == "bfloat16" else "xla"
+
+
+AUTO_LOSS_CHUNKS = 8  # on GPUs (experiments/PERF.md, lever 4)
+
+
+def loss_chunks(cfg: ModelConfig, platform: str) -> int:
+    """``--loss-chunks``, with auto (-1) resolved for devices of ``platform``: 8 slices on
+    GPUs for the built-in GPT's own loss where 8 divides the sequence, else 0."""
+    if cfg.loss_chunks >= 0:
+        return cfg.loss_chunks
+    gpu = platform in ("gpu", "cuda", "rocm")
+    fits = cfg.name == "gpt" and not cfg.loss and cfg.seq_len % AUTO_LOSS_CHUNKS == 0
+    return AUTO_LOSS_CHUNKS if gpu and fits else 0
+
+
+def model_loss(cfg: ModelConfig, task: str, inputs: str, labels: str, platform: str):
+    """The loss the step runs: ``--loss``'s, else the task's default, which for the
+    GPT is the fused loss in ``loss_chunks(cfg, platform)`` slices where that is not 0
+    (auto's choice said in one line, process 0)."""
+    chunks = loss_chunks(cfg, platform)
+    if chunks:  # the GPT's loss without its logits (config_checks)
+        if cfg.loss_chunks < 0 and jax.process_index() == 0:
+            print(f"jaxdist: --loss-chunks auto: the GPT's loss in {chunks} slices of the "
+                  "sequence (no whole logits; the same numbers; 0: the plain loss)",
+                  flush=True)  # fmt: skip
+        return make_fused_next_token_loss(chunks)
+    if cfg.loss:
+        return import_object(cfg.loss, "--loss")
+    return default_loss(task, inputs, labels)
 
 
 def compute_dtype(cfg: ModelConfig):

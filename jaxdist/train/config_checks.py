@@ -66,7 +66,7 @@ RANGES: dict[str, Bound] = {
     "model.n_layers": at_least(1),
     "model.n_heads": at_least(1),
     "model.dropout": SHARE,  # 1 would drop every activation
-    "model.loss_chunks": at_least(0),
+    "model.loss_chunks": at_least(-1),  # -1: auto (jaxdist.train.build_model.loss_chunks)
     "model.layer_norm_eps": POSITIVE,
     "data.eval_fraction": SHARE,
     "data.prefetch": at_least(1),
@@ -181,7 +181,7 @@ def check_process_group(dist) -> None:
 def check_loss_chunks(model) -> None:
     """``--loss-chunks``: the built-in GPT's own loss, in slices that divide the sequence."""
     chunks = model.loss_chunks
-    if not chunks:
+    if chunks <= 0:  # the plain loss, or auto (which picks only what applies)
         return
     if model.name != "gpt" or model.loss:
         what = f"--loss {model.loss}" if model.loss else f"--model {model.name}"

@@ -19,16 +19,15 @@ from jaxdist.cluster.preemption import Preempted, StopFlag
 from jaxdist.cluster.shutdown import exit_now
 from jaxdist.health.agreement import MismatchError
 from jaxdist.health.replica_check import ReplicaDivergenceError
-from jaxdist.losses import default_eval, default_loss, make_fused_next_token_loss
+from jaxdist.losses import default_eval
 from jaxdist.parallel import strategies
 from jaxdist.parallel.device_mesh import batch_shards, parse_mesh
 from jaxdist.parallel.strategies import pipeline
 from jaxdist.sinks.goodput import process_clock_start
 from jaxdist.train import build_data, ending, resume
 from jaxdist.train import config as config_lib
-from jaxdist.train.build_model import model_factory, model_task
+from jaxdist.train.build_model import model_factory, model_loss, model_task
 from jaxdist.train.config import Config, ConfigError
-from jaxdist.train.factories import import_object
 from jaxdist.train.loop import Run, finish, loop
 from jaxdist.train.optim import effective_lr, make_optimizer, make_schedule
 from jaxdist.train.rules_file import load_rules
@@ -179,10 +178,8 @@ def make_step(
         model_config = dataclasses.replace(model_config, scan_layers=True)
     rules, logical_rules = load_rules(cfg.rules) if cfg.rules else (None, None)
     build = model_factory(model_config, cfg.seed)  # checks the factory's arguments now
-    loss_fn = import_object(config.model.loss, "--loss") if config.model.loss else None
-    if model_config.loss_chunks:  # the GPT's loss without its logits (config_checks)
-        loss_fn = make_fused_next_token_loss(model_config.loss_chunks)
-    loss_fn = wrap_loss(loss_fn or default_loss(task, d.npz_inputs, d.npz_labels))
+    platform = mesh.devices.flat[0].platform
+    loss_fn = wrap_loss(model_loss(model_config, task, d.npz_inputs, d.npz_labels, platform))
     schedule = make_schedule(config.optim, cfg.global_batch_size, cfg.steps)
     microbatches, why = cfg.microbatches, ""  # explicit: Parallel refuses one not dividing
     if not microbatches and mesh.shape["stage"] > 1:
