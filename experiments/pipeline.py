@@ -20,7 +20,7 @@ Expected:  1f1b's temporaries are a fraction of GPipe's (85 against 565 MiB at M
            activations; its ticks send V M + S - 1 activations instead of M + S - 1, and it
            re-lays each stage's weights onto the ring every step (6 of 8 chunks move): the
            last lines give the re-lay's bytes, compiled alone. Collectives are per device
-           per step, as jaxdist.plan.hlo counts them. On CPU step times say little: the 8
+           per step, as jaxdist.parallel.hlo counts them. On CPU step times say little: the 8
            devices share 2 cores, so an idle stage costs nothing (no bubble to see).
 """
 
@@ -48,8 +48,8 @@ def measure(schedule: str, remat: str, microbatches: int, steps: int) -> dict:
 
     import jaxdist
     from jaxdist.models.gpt import GPT
+    from jaxdist.parallel import hlo
     from jaxdist.parallel.strategies.pipeline import bubble_fraction
-    from jaxdist.plan import hlo
 
     def model():
         return GPT(256, SEQ, D_MODEL, LAYERS, 8, attention="xla", scan_layers=True,
@@ -97,8 +97,8 @@ def relay_cost(program, mesh) -> dict:
     """The interleaved schedule's re-lay of the stacked weights alone, compiled: bytes a
     device sends (XLA's collectives) and the copy it holds, per step (the gradient
     goes back the same way)."""
+    from jaxdist.parallel import hlo
     from jaxdist.parallel.strategies.pipeline_interleaved import relay
-    from jaxdist.plan import hlo
 
     stacked = [
         x for x in jax.tree.leaves(program.state.params)

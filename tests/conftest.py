@@ -1,9 +1,12 @@
-"""8 emulated CPU devices for every test, set before JAX initialises its backend."""
+"""8 emulated CPU devices for every test, set before JAX initialises its backend; the two
+tiers (``pytest``: the quick tier, the tests not marked ``full``; ``pytest --full``:
+every test, as CI runs them; tests/README.md says how a test is assigned)."""
 
 import atexit
 import os
 import shutil
 import tempfile
+import time
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Prepared corpora go to a fresh cache per test session (and subprocesses inherit it).
@@ -83,3 +86,50 @@ def no_watchdog_left_running():
     while any(t.name == "jaxdist-watchdog" and t.is_alive() for t in threading.enumerate()):
         assert time.monotonic() < deadline, "a jaxdist watchdog is still running after the test"
         time.sleep(0.02)
+
+
+# --- the two tiers
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full",
+        action="store_true",
+        default=False,
+        help="the full tier: every test, as CI runs them (default: the quick tier, "
+        "without the tests marked full)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests tests/full_tier.txt lists ``full``; without --full leaves out every
+    test marked so (there, or in its file)."""
+    from tiers import full_tier, in_list
+
+    listed = full_tier()
+    for item in items:
+        if in_list(item.nodeid, listed):
+            item.add_marker(pytest.mark.full)
+    if config.getoption("--full"):
+        return
+    full = [item for item in items if item.get_closest_marker("full")]
+    if full:
+        config.hook.pytest_deselected(items=full)
+        items[:] = [item for item in items if not item.get_closest_marker("full")]
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_STARTED] = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The tier and its wall time, the last line before pytest's own summary."""
+    started = config.stash.get(_STARTED, None)
+    if started is None:
+        return
+    wall = time.monotonic() - started
+    tier = "full" if config.getoption("--full") else "quick (pytest --full runs every test)"
+    terminalreporter.write_line(f"jaxdist tests: the {tier} tier, {wall:.0f} s wall")
+
+
+_STARTED = pytest.StashKey[float]()

@@ -17,7 +17,13 @@ PROSE = [*PAGES, ROOT / "tests" / "README.md"]  # pages whose paths and links ar
 LINKED = ("README.md", "docs", "experiments", "slurm")  # what commands read from the root
 SHELL = ("bash", "sh", "console")
 RUNNABLE = {"python", "ls", "cat", "head", "tail"}  # programs that run here as printed
-MARK = re.compile(r"#\s*(?:(?P<skip>needs:.*|server\b.*)|exits\s+(?P<code>\d+))$")
+MARK = re.compile(
+    r"#\s*(?:(?P<skip>needs:.*|server\b.*)|exits\s+(?P<code>\d+)|extra:\s*(?P<extra>\w+))$"
+)
+# "# extra: NAME": the line needs the optional extra NAME of pyproject.toml; it runs where
+# the extra's package imports (CI's full tier installs every extra) and the block is
+# skipped, saying which install it needs, where it does not (the README's own install)
+EXTRAS = {"grain": "grain", "wandb": "wandb", "hf": "transformers"}
 FILE_FENCE = re.compile(r"#\s+([\w.-]+\.(?:py|yaml|yml|json|txt))$")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 SEPARATORS = {"&&", "||", ";", "|"}
@@ -25,11 +31,12 @@ TRAIN = ["python", "-m", "jaxdist.train"]
 STEPS = 2
 EVAL_TOKENS = 8192  # the stdlib corpus's held-out split, cut to this for the test
 TIMEOUT_S = 300
-MAX_SKIPPED = 23  # marked today: pip, pytest, sbatch, a GPU, a cluster, tensorboard, data,
-# the 20-minute layout x feature matrix (tests/test_matrix.py runs its covering subset),
-# the GPU compiler's download, the minute-long 100B plan, mpirun (tests/test_mpirun.py
-# runs it where Open MPI is installed), two machines, Kubernetes, and GPT-2 from the
-# Hugging Face Hub (tests/test_hf_gpt2.py runs its flow on a GPT-2 built locally)
+MAX_SKIPPED = 24  # marked today: pip, pytest (the quick tier; the full tier with every
+# extra), sbatch, a GPU, a cluster, tensorboard, data, the 20-minute layout x feature
+# matrix (tests/test_matrix.py runs its covering subset), the GPU compiler's download,
+# the minute-long 100B plan, mpirun (tests/test_mpirun.py runs it where Open MPI is
+# installed), two machines, Kubernetes, and GPT-2 from the Hugging Face Hub
+# (tests/test_hf_gpt2.py runs its flow on a GPT-2 built locally)
 
 
 @dataclasses.dataclass
@@ -48,6 +55,7 @@ class Command:
     skip: bool  # "# needs: ..." or "# server"
     expect: int | None  # "# exits N": N, and run as printed
     output: list[str] = dataclasses.field(default_factory=list)  # console: lines it prints
+    extra: str | None = None  # "# extra: NAME": runs where that extra is installed
 
     @property
     def where(self) -> str:
@@ -127,7 +135,8 @@ def commands_of(fence: Fence) -> list[Command]:
         mark = MARK.match(comment) if comment else None
         skip = bool(mark and mark.group("skip"))
         expect = int(mark.group("code")) if mark and mark.group("code") else None
-        commands.append(Command(fence.page, first, code, skip, expect))
+        extra = mark.group("extra") if mark else None
+        commands.append(Command(fence.page, first, code, skip, expect, extra=extra))
     return commands
 
 

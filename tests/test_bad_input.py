@@ -13,12 +13,14 @@ import math
 import os
 import sys
 
+import numpy as np
 import pytest
 
+from helpers import small_config
 from jaxdist.sinks import MetricsFile, StepMetrics
 from jaxdist.train import config as config_lib
 from jaxdist.train.config_checks import RANGES
-from jaxdist.train.trainer import main
+from jaxdist.train.trainer import main, train
 
 GPT = ["--model", "gpt", "--seq-len", "8", "--d-model", "16", "--n-heads", "2", "--n-layers", "1"]
 GPT += ["--global-batch-size", "8", "--num-devices", "2", "--log-every", "1"]
@@ -48,6 +50,7 @@ def run_main(capsys, tmp_path, *args) -> tuple[int, str]:
     [
         (["--lr", "nan"], ["optim.lr (--lr)", "finite", "nan"]),
         (["--lr", "inf"], ["optim.lr (--lr)", "finite", "inf"]),
+        (["--lr", "-0.001"], ["optim.lr (--lr)", ">= 0", "-0.001"]),
         (["--weight-decay", "nan"], ["optim.weight_decay", "finite", "nan"]),
         (["--init-timeout=-inf"], ["dist.init_timeout", "finite", "-inf"]),
         (["--min-lr-ratio", "-5"], ["optim.min_lr_ratio", "in [0, 1]", "-5.0"]),
@@ -63,6 +66,22 @@ def run_main(capsys, tmp_path, *args) -> tuple[int, str]:
 def test_numbers_out_of_range_or_not_finite(tmp_path, capsys, args, expected):
     error_line(*run_main(capsys, tmp_path, *args), expected)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_a_zero_learning_rate_is_allowed_and_changes_no_parameter(optimizer):
+    """--lr 0 (evaluating a loaded model through the training path, checking the data): the
+    run trains its steps and every parameter ends as it began, bit for bit, weight decay
+    included (optax and PyTorch scale the decay by the learning rate too)."""
+    config = small_config(steps=3, num_devices=2)
+    config.optim.lr, config.optim.optimizer = 0.0, optimizer
+    run = train(config, write=False, quiet=True)
+    first = run.dp.host_params(run.dp.init_state())
+    last = run.dp.host_params(run.state)
+    assert len(run.history) == 3 and all(math.isfinite(h["loss"]) for h in run.history)
+    assert all(h["lr"] == 0 for h in run.history)
+    for name, value in first.items():
+        np.testing.assert_array_equal(last[name], value, err_msg=name)
 
 
 def test_steps_fit_the_int32_step_counter():  # parsed only: a regression would train

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import jax
 
-from jaxdist.plan.table import size
 from jaxdist.train import compile_only
 from jaxdist.train import config as config_lib
 from jaxdist.train.trainer import main
+from jaxdist.units import size
 
 GPT = ["--model", "gpt", "--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--seq-len", "32"]
 

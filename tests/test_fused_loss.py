@@ -116,6 +116,10 @@ def test_chunks_that_cannot_apply_are_refused(model, message):
 def test_auto_chunks_are_eight_on_a_gpu_for_the_gpts_own_loss(model, platform, chunks):
     assert from_dict({"model": model}).model.loss_chunks == model.get("loss_chunks", -1)
     assert loss_chunks(from_dict({"model": model}).model, platform) == chunks
+    # ZeRO-1: the plain loss (tests/test_shard_optimizer.py's GPU step has the bytes)
+    assert loss_chunks(from_dict({"model": model}).model, platform, shard_optimizer=True) == (
+        model.get("loss_chunks", 0)
+    )
 
 
 def test_auto_is_said_and_trains_as_eight_slices_on_a_gpu_platform(monkeypatch, capsys):
@@ -124,7 +128,9 @@ def test_auto_is_said_and_trains_as_eight_slices_on_a_gpu_platform(monkeypatch, 
     model = {"name": "gpt", "seq_len": 32, "vocab_size": 300}
     flags = {"steps": 3, "global_batch_size": 8, "log_every": 1, "tensorboard": False}
     config = from_dict({"model": model, "train": {**flags, "num_devices": 1}})
-    monkeypatch.setattr(build_model, "loss_chunks", lambda cfg, platform: loss_chunks(cfg, "gpu"))
+    monkeypatch.setattr(
+        build_model, "loss_chunks", lambda cfg, _, zero: loss_chunks(cfg, "gpu", zero)
+    )
     auto = [h["loss"] for h in train(config, write=False, quiet=True).history]
     assert "--loss-chunks auto: the GPT's loss in 8 slices" in capsys.readouterr().out
     config.model.loss_chunks = 8

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "jaxdist"
 # Top-level modules with no subsystem of their own (the rest is folders).
-LEAVES = {"__init__", "errors", "flops", "losses"}
+LEAVES = {"__init__", "errors", "flops", "losses", "units"}
 MAX_LINES = 300
 SECTIONS = {"train", "dist", "model", "data", "optim"}  # the trainer's config sections
 
@@ -89,6 +89,25 @@ def test_the_library_does_not_import_the_command_line():
     }
     offenders = {k: v for k, v in offenders.items() if v}
     assert not offenders, f"library modules importing jaxdist.train: {offenders}"
+
+
+# The commands built on the trainer: they import it, it imports none of them.
+ABOVE_THE_TRAINER = ("jaxdist.plan", "jaxdist.export")
+
+
+def test_the_trainer_does_not_import_the_commands_built_on_it():
+    def above(name: str) -> bool:
+        return any(name == c or name.startswith(c + ".") for c in ABOVE_THE_TRAINER)
+
+    offenders = {
+        name: sorted(i for i in imports_of(path) if above(i))
+        for name, path in MODULES.items()
+        if name == "jaxdist.train" or name.startswith("jaxdist.train.")
+    }
+    offenders = {k: v for k, v in offenders.items() if v}
+    assert not offenders, f"trainer modules importing a command built on it: {offenders}"
+    # and the check reads the imports: the planner does import the trainer
+    assert "jaxdist.train.compile_only" in imports_of(MODULES["jaxdist.plan.planner"])
 
 
 def test_import_jaxdist_loads_neither_the_command_line_nor_health():

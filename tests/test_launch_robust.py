@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from group_helpers import gone_within
+from group_helpers import PATIENCE_S, gone_within
 from helpers import alive
 
 
@@ -38,7 +38,7 @@ def test_bytes_that_are_not_utf8_are_forwarded(tmp_path, launcher):
         "out.flush()\nsys.exit(3)\n",
     )
     run = launcher("--nproc", "1", "--", sys.executable, job)
-    assert run.proc.wait(timeout=30) == 3, run.text()[-2000:]
+    assert run.proc.wait(timeout=PATIENCE_S) == 3, run.text()[-2000:]
     out = run.output()
     assert b"[rank 0] caf\xe9 \xff in Latin-1\n" in out
     assert out.count(b"[rank 0] " + b"x" * 99 + b"\n") == 5000
@@ -57,12 +57,12 @@ time.sleep(600)
 )
 def test_the_group_dies_with_the_launcher(tmp_path, launcher, sig, code):
     run = launcher("--nproc", "2", "--", sys.executable, script(tmp_path, "job.py", GRANDPARENT))
-    run.wait_for(lambda: run.text().count("ready") == 2, 30, "2 ready lines")
-    run.wait_for(lambda: len(run.below()) >= 4, 10, "2 ranks and 2 grandchildren")
+    run.wait_for(lambda: run.text().count("ready") == 2, PATIENCE_S, "2 ready lines")
+    run.wait_for(lambda: len(run.below()) >= 4, PATIENCE_S, "2 ranks and 2 grandchildren")
     pids = run.below()
     run.proc.send_signal(sig)
-    assert run.proc.wait(timeout=10) == code, run.text()
-    assert gone_within(pids, 5), [pid for pid in pids if alive(pid)]
+    assert run.proc.wait(timeout=PATIENCE_S) == code, run.text()
+    assert gone_within(pids, PATIENCE_S), [pid for pid in pids if alive(pid)]
 
 
 BLOCKED_IN_A_COLLECTIVE = """import os, pathlib, sys, time
@@ -98,12 +98,12 @@ def test_sigterm_ends_a_rank_blocked_in_a_collective(tmp_path, launcher):
         states.append(main_thread_sleeps(rank0))
         return len(states) >= 5 and all(states[-5:])
 
-    run.wait_for(waiting, 30, "rank 0's main thread asleep in the barrier")
+    run.wait_for(waiting, PATIENCE_S, "rank 0's main thread asleep in the barrier")
     pids = run.below()
     os.kill(int((tmp_path / "pid").read_text()), signal.SIGTERM)
-    assert run.proc.wait(timeout=10) == 143, run.text()[-3000:]
+    assert run.proc.wait(timeout=PATIENCE_S) == 143, run.text()[-3000:]
     assert "rank 0 failed with exit code 143: it was ended by SIGTERM" in run.text()
-    assert gone_within(pids, 5)
+    assert gone_within(pids, PATIENCE_S)
 
 
 TRAIN = ["-m", "jaxdist.train", "--steps", "100000", "--log-every", "1"]
@@ -124,9 +124,9 @@ def test_a_rank_killed_mid_training_ends_the_group_at_once(tmp_path, launcher, v
     pids = run.below()
     os.kill(ranks[victim], signal.SIGKILL)
     killed_at = time.monotonic()
-    assert run.proc.wait(timeout=30) == 137, run.text()[-3000:]
+    assert run.proc.wait(timeout=PATIENCE_S) == 137, run.text()[-3000:]
     assert time.monotonic() - killed_at < 5, "waited out --grace"
-    assert gone_within(pids, 1)
+    assert gone_within(pids, PATIENCE_S)
     assert f"rank {victim} failed with exit code 137: it was killed by SIGKILL" in run.text()
 
 

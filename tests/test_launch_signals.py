@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from group_helpers import MLP, gone_within
+from group_helpers import MLP, PATIENCE_S, gone_within
 from helpers import alive
 from jaxdist.checkpoint.run_directory import checkpoint_steps
 
@@ -57,7 +57,7 @@ def test_sigterm_to_the_launcher_saves_exits_75_and_the_same_command_resumes(tmp
     assert len(stops) == 2 and stops[0] == stops[1], text[-3000:]  # both ranks, one step
     saved = int(stops[0])
     assert checkpoint_steps(run_dir)[0] == saved < 30
-    assert gone_within(pids, 5)
+    assert gone_within(pids, PATIENCE_S)
     (tmp_path / "launch.log").rename(tmp_path / "stopped.log")
     again = launcher(*train(run_dir))
     assert again.proc.wait(timeout=120) == 0, again.text()[-3000:]
@@ -91,7 +91,9 @@ def job(tmp_path: Path, plan: dict[int, int | str]) -> list[str]:
 
 
 def started(run, tmp_path: Path, nproc: int = 2) -> set[int]:
-    run.wait_for(lambda: len(list(tmp_path.glob("ready*"))) == nproc, 30, "every rank ready")
+    run.wait_for(
+        lambda: len(list(tmp_path.glob("ready*"))) == nproc, PATIENCE_S, "every rank ready"
+    )
     return run.below()
 
 
@@ -99,10 +101,10 @@ def test_sigusr1_to_the_launcher_is_forwarded_once_and_75_from_every_rank_is_75(
     run = launcher("--nproc", "2", "--grace", "1", "--", *job(tmp_path, {0: 75, 1: 75}))
     pids = started(run, tmp_path)
     run.proc.send_signal(signal.SIGUSR1)
-    assert run.proc.wait(timeout=20) == 75, run.text()
+    assert run.proc.wait(timeout=PATIENCE_S) == 75, run.text()
     assert run.text().count("got SIGUSR1") == 2, run.text()
     assert last_line(run.text()) == f"[launch] stopped by SIGUSR1: {SAVED}", run.text()
-    assert gone_within(pids, 5), [pid for pid in pids if alive(pid)]
+    assert gone_within(pids, PATIENCE_S), [pid for pid in pids if alive(pid)]
 
 
 def test_a_rank_that_does_not_stop_within_the_stop_grace_is_killed_exit_143(tmp_path, launcher):
@@ -112,12 +114,12 @@ def test_a_rank_that_does_not_stop_within_the_stop_grace_is_killed_exit_143(tmp_
     )  # fmt: skip
     pids = started(run, tmp_path)
     run.proc.send_signal(signal.SIGTERM)
-    assert run.proc.wait(timeout=20) == 143, run.text()
+    assert run.proc.wait(timeout=PATIENCE_S) == 143, run.text()
     assert last_line(run.text()) == (
         "[launch] stopped by SIGTERM: killed rank 1: not stopped within 1s (--stop-grace); "
         "rank 0 saved a checkpoint and exited 75; exit 143"
     ), run.text()
-    assert gone_within(pids, 5), [pid for pid in pids if alive(pid)]
+    assert gone_within(pids, PATIENCE_S), [pid for pid in pids if alive(pid)]
 
 
 def test_a_second_sigterm_kills_at_once(tmp_path, launcher):
@@ -127,13 +129,13 @@ def test_a_second_sigterm_kills_at_once(tmp_path, launcher):
     )  # fmt: skip
     pids = started(run, tmp_path)
     run.proc.send_signal(signal.SIGTERM)
-    run.wait_for(lambda: run.text().count("got SIGTERM") == 2, 10, "SIGTERM forwarded")
+    run.wait_for(lambda: run.text().count("got SIGTERM") == 2, PATIENCE_S, "SIGTERM forwarded")
     run.proc.send_signal(signal.SIGTERM)
-    assert run.proc.wait(timeout=20) == 143, run.text()
+    assert run.proc.wait(timeout=PATIENCE_S) == 143, run.text()
     assert last_line(run.text()) == (
         "[launch] stopped by SIGTERM: killed ranks 0, 1: a second SIGTERM; exit 143"
     ), run.text()
-    assert gone_within(pids, 5), [pid for pid in pids if alive(pid)]
+    assert gone_within(pids, PATIENCE_S), [pid for pid in pids if alive(pid)]
 
 
 @pytest.mark.parametrize(
@@ -153,7 +155,7 @@ def test_a_stopped_group_is_never_restarted(tmp_path, launcher, plan, code, last
     run = launcher("--nproc", "2", "--max-restarts", "2", "--", *job(tmp_path, plan))
     started(run, tmp_path)
     run.proc.send_signal(signal.SIGUSR1)
-    assert run.proc.wait(timeout=20) == code, run.text()
+    assert run.proc.wait(timeout=PATIENCE_S) == code, run.text()
     text = run.text()
     assert last_line(text) == last, text
     assert "restart" not in text

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 
+from group_helpers import PATIENCE_S
 from helpers import alive, launch, run_cli
 from jaxdist.launch.launcher import free_port
 
@@ -193,9 +194,9 @@ def test_launcher_ctrl_c_ends_every_process(tmp_path, launcher):
     script = tmp_path / "job.py"
     script.write_text(RECORD_PID + "import time\ntime.sleep(600)\n")
     run = launcher("--nproc", "3", "--", sys.executable, str(script), str(tmp_path))
-    run.wait_for(lambda: len(list(tmp_path.glob("[0-9]"))) == 3, 30, "3 pid files")
+    run.wait_for(lambda: len(list(tmp_path.glob("[0-9]"))) == 3, PATIENCE_S, "3 pid files")
     run.proc.send_signal(signal.SIGINT)
-    assert run.proc.wait(timeout=20) == 130, run.text()[-2000:]
+    assert run.proc.wait(timeout=PATIENCE_S) == 130, run.text()[-2000:]
     pids = [int(p.read_text()) for p in tmp_path.glob("[0-9]")]
     assert len(pids) == 3 and not any(alive(pid) for pid in pids)
 

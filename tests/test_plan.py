@@ -6,6 +6,7 @@ The references: the same step compiled in this process for its 8 CPU devices (it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 
@@ -14,9 +15,9 @@ import pytest
 
 import jaxdist
 from helpers import run_module
-from jaxdist.plan import Options, gpu_compiler
+from jaxdist.plan import Options, gpu_compiler, planner
 from jaxdist.plan.__main__ import main as plan_main
-from jaxdist.plan.table import render
+from jaxdist.plan.table import as_json, render
 from jaxdist.train import compile_only
 from jaxdist.train import config as config_lib
 
@@ -41,7 +42,7 @@ def test_planned_memory_is_the_compiled_programs_own_on_8_devices():
     layout = ["--grad-accum", "2", "--remat", "block", "--shard-optimizer", "false"]
     flags = [*GPT, "--mesh", "model=2,stage=1", *layout]  # data x fsdp = 4: three layouts
     plan = jaxdist.plan(flags, "cpu:8", Options(budget_s=0, workers=1))
-    json.dumps(plan.to_json())  # for tools: plain JSON
+    json.dumps(as_json(plan))  # for tools: plain JSON
     found = {c.layout.mesh: c for c in plan.candidates}
     assert len(found) == 3
     # two of the three compiled here too (the third: 4 s of the suite, no other check)
@@ -125,6 +126,39 @@ def test_exit_codes_none_fits_and_bad_input(capsys):
     bad = run_module("jaxdist.plan", "--target", "8x8:Z100", *GPT)  # the real command's exit
     assert bad.returncode == 2 and "unknown device kind 'Z100'" in bad.stderr
     assert bad.stdout == ""
+
+
+def test_a_plan_that_compiled_nothing_says_so_and_exits_3(capsys):
+    """A budget that lets no compile start: nothing was measured, so nothing is ruled out
+    (not "no layout fits"); the unrolled GPT was planned scanned too, and said so."""
+    assert plan_main(["--target", "cpu:8", *GPT, "--budget-s", "0.001", "--workers", "1"]) == 3
+    out = capsys.readouterr().out
+    assert "No layout was compiled (" in out and "nothing was measured" in out, out
+    assert "No layout fits" not in out
+    assert "Planned with --scan-layers: unrolled, the 2 blocks compiled apart" in out
+    assert "--budget-s, now 0 s" in out
+
+
+def test_a_gpt_unrolled_past_the_budget_is_planned_scanned(monkeypatch):
+    """Where the unrolled GPT compiled nothing in the budget (cut off here, as a large
+    L's compiles are on a few cores), the plan is the scanned stack's, its command says
+    --scan-layers and its header says why; --no-scan-layers keeps the unrolled form."""
+    real = planner._plan
+
+    def unrolled_cut_off(flags, target, options, progress, t0):
+        if "--scan-layers" not in flags:
+            options = dataclasses.replace(options, budget_s=1e-3)
+        return real(flags, target, options, progress, t0)
+
+    monkeypatch.setattr(planner, "_plan", unrolled_cut_off)
+    layout = ["--mesh", "fsdp=8", "--grad-accum", "1", "--remat", "none"]
+    plan = jaxdist.plan([*GPT, *layout], "cpu:8", Options(budget_s=60, workers=1))
+    assert plan.best is not None and plan.compiled == 1
+    assert "--scan-layers" in shlex.split(plan.command)
+    assert plan.notes and plan.notes[0].startswith("Planned with --scan-layers")
+    assert plan.notes[0] in render(plan)
+    kept = jaxdist.plan([*GPT, *layout, "--no-scan-layers"], "cpu:8", Options(budget_s=60))
+    assert kept.compiled == 0 and kept.notes == [] and kept.best is None
 
 
 def test_a_candidate_past_its_time_limit_is_reported_and_its_worker_replaced():

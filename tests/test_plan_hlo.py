@@ -1,4 +1,4 @@
-"""jaxdist.plan.hlo: collective bytes, replica groups, matmul FLOPs and loop trip counts
+"""jaxdist.parallel.hlo: collective bytes, replica groups, matmul FLOPs and loop trip counts
 read from compiled programs, checked against numbers worked out here with numpy."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.plan import hlo
+from jaxdist.parallel import hlo
 
 F32 = 4  # bytes
 

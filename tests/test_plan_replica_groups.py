@@ -1,4 +1,4 @@
-"""jaxdist.plan.replica_groups: the devices each collective spans, from the three forms
+"""jaxdist.parallel.replica_groups: the devices each collective spans, from the three forms
 compiled text prints them in (explicit, iota, GSPMD's mesh axes), checked against
 groups worked out here with numpy, by hand and from real compiled programs."""
 
@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.plan import hlo
+from jaxdist.parallel import hlo
 from test_plan_hlo import F32, compiled, mesh_1d
 
 

@@ -10,7 +10,8 @@ import pytest
 from jaxdist.errors import ConfigError
 from jaxdist.plan import candidates as cands
 from jaxdist.plan import estimate, targets
-from jaxdist.plan.table import size, train_command
+from jaxdist.plan.table import train_command
+from jaxdist.units import size
 
 
 def brute_force_meshes(nodes: int, per_node: int) -> set[tuple[int, int, int, int]]:

@@ -12,6 +12,8 @@ files the same page shows in a fence whose first line names them (``# my_data.py
 - A trailing ``# needs: ...`` or ``# server`` skips the line; the skipped lines are
   counted, and the trainer flags on them are still parsed by the real parser. A line that
   is neither runnable nor marked fails.
+- ``# extra: NAME``: the line needs the optional extra NAME (``pip install -e '.[NAME]'``);
+  where its package is missing (the README's own install) the block is skipped, saying so.
 - ``# exits N``: the line runs exactly as printed and must exit N. In a ```console block,
   the lines after a ``$ `` command are output it must print.
 - What the pages say a command writes must be there (the run directory's files, the token
@@ -24,6 +26,7 @@ commands. tests/README.md says more.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import resource
 import shlex
@@ -38,6 +41,7 @@ import yaml
 from helpers import failures_of, metrics_of
 from readme_blocks import (
     EVAL_TOKENS,
+    EXTRAS,
     LINKED,
     MAX_SKIPPED,
     ROOT,
@@ -96,6 +100,13 @@ def test_block_runs_as_printed(commands, command_env, tmp_path):
         (work / name).symlink_to(ROOT / name)
     for name, content in page_files(commands[0].page).items():
         (work / name).write_text(content)
+    for command in commands:
+        module = EXTRAS.get(command.extra or "", "")
+        if command.extra and not module:
+            pytest.fail(f"{command.where}: # extra: {command.extra} is not one of {set(EXTRAS)}")
+        if module and importlib.util.find_spec(module) is None:
+            pytest.skip(f"{command.where} needs the {command.extra} extra: pip install -e "
+                        f"'.[{command.extra}]' (CI's full tier installs it)")  # fmt: skip
     runs_seen: dict[str, int] = {}
     for command in commands:
         if command.skip:

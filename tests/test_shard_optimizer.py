@@ -15,8 +15,8 @@ import adamw_reference
 import jaxdist
 from adamw_reference import loss_fn, tx
 from helpers import relative_error
+from jaxdist.parallel.hlo import read_program
 from jaxdist.plan import Options
-from jaxdist.plan.hlo import read_program
 from test_plan import GPT, gpu_compiler_ready, param_bytes
 
 STEPS, ROWS = 5, 32

@@ -16,6 +16,7 @@ import pytest
 import spawn_targets
 
 import jaxdist
+from group_helpers import PATIENCE_S
 from helpers import alive
 from jaxdist.launch import group
 
@@ -141,10 +142,10 @@ def test_ctrl_c_or_death_of_the_caller_ends_every_process(tmp_path, sig, code):
         pids = pids_in(pid_dir)
         assert len(pids) == 2
         caller.send_signal(sig)
-        out = caller.communicate(timeout=20)[0]
+        out = caller.communicate(timeout=PATIENCE_S)[0]
         assert caller.returncode == code, out
         assert sig != signal.SIGINT or "interrupted" in out
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + PATIENCE_S
         while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not any(alive(pid) for pid in pids)

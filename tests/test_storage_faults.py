@@ -75,7 +75,8 @@ def test_disk_full_while_checkpointing_ends_74_with_one_line_and_resumes(tmp_pat
         assert full.returncode == 74, text[-3000:]
         errors = [line for line in text.splitlines() if "jaxdist: error:" in line]
         assert len(errors) == 1 and "Traceback" not in text, text[-3000:]
-        assert re.search(r"no space left on device: [\d.]+ of [\d.]+ [KMG]?B used", errors[0])
+        amount = r"[\d.]+ (?:[KMGT]i)?B"  # jaxdist.units.size
+        assert re.search(rf"no space left on device: {amount} of {amount} used", errors[0])
         assert f"cannot write {run_dir}/" in errors[0] or (
             re.search(rf"cannot write checkpoint \d+ to {run_dir}/checkpoints/\d+:", errors[0])
         ), errors[0]

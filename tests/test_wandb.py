@@ -168,6 +168,20 @@ def test_a_failed_or_preempted_run_ends_its_wandb_run(offline, tmp_path, stopped
     assert any(r["type"] == "preempting" for r in records) == (stopped is not None)
 
 
+def test_wandb_dir_set_by_the_user_holds_wandbs_files(offline, tmp_path, monkeypatch):
+    """WANDB_DIR (a scratch disk, a quota) is where W&B's files go, as W&B itself does;
+    the run directory keeps only the run id. Unset, they stay in RUN_DIR/wandb."""
+    scratch = tmp_path / "scratch" / "not-yet"
+    monkeypatch.setenv("WANDB_DIR", str(scratch))
+    sinks = Sinks([WandbRun(tmp_path / "run", "jaxdist-tests")], background=True)
+    sinks.log(1, {"loss": 2.5})
+    sinks.close()
+    assert len(offline_runs(scratch)) == 1
+    assert not (tmp_path / "run" / "wandb").exists()
+    assert (tmp_path / "run" / ID_FILE).is_file()
+    assert history(wandb_records(*offline_runs(scratch))) == {1: {"train/loss": 2.5}}
+
+
 def test_a_wandb_error_leaves_the_run_training(offline, tmp_path, monkeypatch, capsys):
     calls = []
 

@@ -21,6 +21,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from jaxdist.units import size
+
 # errno -> how the cause reads. Each is something a person fixes (frees space, remounts,
 # restores the directory); the same command then resumes from the newest checkpoint.
 CAUSES = {
@@ -90,19 +92,15 @@ def describe(code: int, path) -> str:
 
 
 def _usage(path: Path) -> str:
-    """``11.6 of 12.0 MB used`` for the file system holding ``path`` (its nearest existing
-    ancestor: the failed file may never have been made), or "" if it cannot be read."""
+    """``11.6 MiB of 12.0 MiB used`` for the file system holding ``path`` (its nearest
+    existing ancestor: the failed file may never have been made), or "" if unreadable."""
     while not path.exists() and path != path.parent:
         path = path.parent
     try:
         usage = shutil.disk_usage(path)
     except OSError:
         return ""
-    total = usage.total
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3), ("B", 1)):
-        if total >= size or unit == "B":
-            return f"{usage.used / size:.1f} of {total / size:.1f} {unit} used"
-    return ""
+    return f"{size(usage.used)} of {size(usage.total)} used"
 
 
 def say_newest(err: StorageError, run_dir: Path | None) -> StorageError:

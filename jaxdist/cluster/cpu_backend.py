@@ -39,3 +39,12 @@ def size_thread_pool(num_devices: int | None = None, num_processes: int = 1) -> 
     if int(os.environ.get(VARIABLE, 0)) < wanted:
         os.environ[VARIABLE] = str(wanted)
         os.environ["JAXDIST_SET_PJRT_NPROC"] = "1"  # ours: a later, larger count may raise it
+
+
+def host_memory_bytes() -> float:
+    """This host's physical memory, which its CPU devices share (16 GiB where the system
+    does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        return 16.0 * 2**30

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxdist.data.tokens import TokenWriter, read_sidecar
 from jaxdist.errors import JaxdistError
+from jaxdist.units import size
 
 EOT = 256  # document separator, after every file
 BYTE_VOCAB = 257
@@ -214,8 +215,8 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(self.task, completed=self.done)
         elif self.enabled and 10 * self.done // max(self.total, 1) > tenths_before:
-            mb, total_mb = self.done / 1e6, self.total / 1e6
-            print(f"prepare: {mb:.1f} of {total_mb:.1f} MB read", file=sys.stderr, flush=True)
+            read = f"{size(self.done)} of {size(self.total)}"
+            print(f"prepare: {read} read", file=sys.stderr, flush=True)
 
 
 def default_cache_dir() -> Path:

@@ -5,8 +5,11 @@ that step to devices.
 Open ``device_mesh.py`` for the mesh and the host-to-device seam (``shard_batch``),
 ``layout.py`` for where each array lives (the one function ``state_shardings``: an axis
 is added there), ``step.py`` for ``train_step(state, batch) -> (state, metrics)``,
-``strategies/`` for gspmd, shard_map, pmap and the pipeline, and ``wrapper.py`` for
-``Parallel`` (``DataParallel``), which holds them together. Models know nothing of this.
+``strategies/`` for gspmd, shard_map, pmap and the pipeline, ``wrapper.py`` for
+``Parallel`` (``DataParallel``), which holds them together, and ``hlo.py`` for what a
+compiled step communicates and computes (collective bytes and replica groups, matmul
+FLOPs, read from XLA's text; the dry run and the planner use it). Models know nothing of
+this.
 """
 
 from jaxdist.parallel.collectives import (

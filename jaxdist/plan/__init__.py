@@ -4,10 +4,11 @@
 ``jaxdist.plan(["--model", "gpt", ...], "8x8:A100-80GB")`` (the module is callable: it
 is ``plan.planner.plan``). The step of each candidate layout is compiled by XLA for the
 target's devices, which need not exist (``worker``), and read: memory from the compiled
-program's own analysis, FLOPs and collective bytes from its text (``hlo``), a step time
-estimated from them (``estimate``). Like ``jaxdist.train``, it is a command built on
-the trainer's flags and step (``jaxdist.train.compile_only``, which ``python -m
-jaxdist.train --dry-run`` uses too): the library never imports it.
+program's own analysis, FLOPs and collective bytes from its text
+(``jaxdist.parallel.hlo``), a step time estimated from them (``estimate``). It is a
+command built on the trainer's flags and step (``jaxdist.train.compile_only``, which
+``python -m jaxdist.train --dry-run`` uses too): neither the library nor the trainer
+imports it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import types
 from jaxdist.plan.candidates import Layout
 from jaxdist.plan.targets import KINDS, DeviceKind, Target, parse_target
 
-# The planner builds the trainer's step (jaxdist.train), so it loads on first use: a
-# dry run (jaxdist.train.dry_run) reads this package's table without it.
+# The planner builds the trainer's step (jaxdist.train), so it loads on first use:
+# ``import jaxdist.plan`` alone (targets, layouts) does not load the trainer.
 _PLANNER = ("Candidate", "Options", "Plan", "plan")
 
 

@@ -1,6 +1,7 @@
 """``python -m jaxdist.plan --target 8x8:A100-80GB [--json] TRAINING FLAGS``: the table of
 candidate layouts and the command for the best that fits. Exit 0 with a plan whose best
-layout fits, 1 when none fits, 2 for bad input (the message names it)."""
+layout fits, 1 when none fits, 2 for bad input (the message names it), 3 when no layout
+was compiled (the budget or the time limits cut every one off: nothing was ruled out)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from jaxdist.plan.planner import Options, plan
 from jaxdist.train.flags import OneLineParser
 
 NONE_FITS = 1
+NOTHING_COMPILED = 3
 
 
 def parser() -> argparse.ArgumentParser:
@@ -76,10 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(result.to_json(), indent=1))
+        print(json.dumps(table.as_json(result), indent=1))
     else:
         print(table.render(result))
-    return 0 if result.best else NONE_FITS
+    if result.best:
+        return 0
+    tried = any(c.phase != "screen" for c in result.candidates)
+    return NOTHING_COMPILED if tried and result.compiled == 0 else NONE_FITS
 
 
 def _progress():

@@ -13,12 +13,17 @@ end past it, judged by the longest of the last four.
    (a binary search), then lighter remat at that count.
 A layout the model's dimensions cannot split is discarded by the layout function's own
 error in its worker.
+
+A GPT whose unrolled blocks compiled nothing in the budget (each of its L blocks is
+compiled apart, minutes for a large L on a few cores) is planned again as one scanned
+block (``--scan-layers``) unless the flags chose either form; the plan says so, and its
+command carries the flag. A plan that still compiled nothing says that it measured
+nothing (``Plan.compiled == 0``), rather than that nothing fits.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
@@ -77,24 +82,11 @@ class Plan:
     state_bytes: float
     elapsed_s: float
     dtype: str
+    notes: list[str] = field(default_factory=list)  # what the plan changed, said above it
 
-    def to_json(self) -> dict:
-        def one(c: Candidate) -> dict:
-            return {
-                "mesh": c.layout.mesh, "grad_accum": c.layout.grad_accum,
-                "remat": c.layout.remat, "shard_optimizer": c.layout.zero,
-                "pipeline_schedule": c.layout.schedule if c.layout.stage > 1 else None,
-                "phase": c.phase, "status": c.status,
-                "fits": c.fits, "why": c.why, "measured": c.measured,
-                "time": dataclasses.asdict(c.time) if c.time else None,
-            }  # fmt: skip
-
-        return {
-            "target": str(self.target), "capacity_bytes": self.capacity_bytes,
-            "options": dataclasses.asdict(self.options), "state_bytes": self.state_bytes,
-            "elapsed_s": self.elapsed_s, "candidates": [one(c) for c in self.candidates],
-            "best": one(self.best) if self.best else None, "command": self.command,
-        }  # fmt: skip
+    @property
+    def compiled(self) -> int:
+        return sum(c.status == "compiled" for c in self.candidates)
 
 
 def plan(train_flags: list[str], target: str | Target, options: Options | None = None,
@@ -105,6 +97,33 @@ def plan(train_flags: list[str], target: str | Target, options: Options | None =
     t0 = time.perf_counter()
     options = options or Options()
     target = parse_target(target) if isinstance(target, str) else target
+    result = _plan(train_flags, target, options, progress, t0)
+    tree = config_lib.parse_tree(train_flags)
+    tried = any(c.phase != "screen" for c in result.candidates)  # not all screened out
+    if result.compiled == 0 and tried and _unrolled_gpt(tree):
+        scanned = [*train_flags, "--scan-layers"]
+        layers = config_lib.from_dict(tree).model.n_layers
+        again = _plan(scanned, target, options, progress, time.perf_counter())
+        again.notes.append(
+            f"Planned with --scan-layers: unrolled, the {layers} blocks compiled apart and no "
+            f"layout compiled within the {options.budget_s:.0f} s budget "
+            f"({len(result.candidates)} layouts); scanned, one block is compiled for all "
+            "(--no-scan-layers plans them unrolled, with --budget-s 0 for no limit)"
+        )
+        again.elapsed_s = time.perf_counter() - t0
+        return again
+    return result
+
+
+def _unrolled_gpt(tree: dict) -> bool:
+    """The built-in GPT, its form not chosen by the flags (neither --scan-layers nor
+    --no-scan-layers), and not made a stack by a stage axis (always scanned)."""
+    model = tree.get("model", {})
+    mesh = parse_mesh(tree.get("train", {}).get("mesh", ""))
+    return model.get("name") == "gpt" and "scan_layers" not in model and mesh.get("stage", 1) == 1
+
+
+def _plan(train_flags: list[str], target: Target, options: Options, progress, t0) -> Plan:
     tree = config_lib.parse_tree(train_flags)
     base = config_lib.from_dict(tree)
     capacity = target.kind.memory_bytes * options.memory_fraction

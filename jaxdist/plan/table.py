@@ -3,11 +3,13 @@ column rests on."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from jaxdist.plan.targets import Target
+from jaxdist.units import size
 
-if TYPE_CHECKING:  # the planner imports the trainer; a dry run needs only size()
+if TYPE_CHECKING:  # the planner imports the trainer; the table alone does not
     from jaxdist.plan.planner import Candidate, Plan
 
 GiB = 2**30
@@ -36,6 +38,7 @@ def render(plan: Plan) -> str:
         "temporaries - reuse), collective bytes by link from its replica groups, matmul FLOPs "
         "with loops counted",
         *([GPU_NOTE] if plan.target.is_gpu else []),
+        *plan.notes,
         "",
     ]
     width = max(len(c.layout.mesh) for c in plan.candidates)
@@ -44,7 +47,7 @@ def render(plan: Plan) -> str:
     for c in sorted(plan.candidates, key=_sort_key):
         lines.append(_row(_cells(c, plan), width))
     lines.append("")
-    compiled = sum(c.status == "compiled" for c in plan.candidates)
+    compiled = plan.compiled
     lines.append(f"{len(plan.candidates)} layouts, {compiled} compiled, in {plan.elapsed_s:.0f} s")
     if plan.best:
         b = plan.best
@@ -52,9 +55,25 @@ def render(plan: Plan) -> str:
                            *b.layout.option_flags])  # fmt: skip
         cost = f"{size(b.peak_bytes)}, ~{b.time.step_s:.3g} s a step"
         lines += ["", f"Best that fits: {chosen} ({cost})", plan.command]
+    elif compiled == 0 and any(c.phase != "screen" for c in plan.candidates):
+        lines += ["", nothing_compiled(plan)]
     else:
         lines += ["", "No layout fits: more devices, a smaller batch or model, or --remat full."]
     return "\n".join(lines)
+
+
+def nothing_compiled(plan: Plan) -> str:
+    """What a plan that measured nothing says: no layout is ruled out."""
+    counts: dict[str, int] = {}
+    for c in plan.candidates:
+        counts[c.status] = counts.get(c.status, 0) + 1
+    why = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    return (
+        f"No layout was compiled ({why}): nothing was measured, so no layout is ruled out. "
+        f"Give the search more time (--budget-s, now {plan.options.budget_s:.0f} s; 0: no "
+        f"limit; --candidate-timeout-s, now {plan.options.candidate_timeout_s:.0f} s), or "
+        "fewer programs to compile (--scan-layers: one block for all; --mesh to fix the layout)"
+    )
 
 
 def _sort_key(c: Candidate):
@@ -90,14 +109,6 @@ def _row(cells: list[str], mesh_width: int) -> str:
     return "  ".join([*out, cells[-1]]).rstrip()
 
 
-def size(n: float) -> str:
-    """Bytes in the unit that shows them: 67.1 GiB, 312.0 MiB, 4.0 KiB."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
 def train_command(train_flags, layout, target: Target, memory_fraction: float, gpt: bool) -> str:
     """The user's flags with the plan's layout: ``python -m jaxdist.train ...``."""
     kept, skip = [], {"--mesh", "--grad-accum", "--remat", "--cpu-devices", "--num-devices",
@@ -121,3 +132,25 @@ def train_command(train_flags, layout, target: Target, memory_fraction: float, g
     elif target.kind.platform == "cpu":
         layout_flags += ["--cpu-devices", str(target.num_devices)]
     return prefix + " ".join(["python -m jaxdist.train", *kept, *layout_flags])
+
+
+def as_json(plan: Plan) -> dict:
+    """The plan as plain JSON (``--json``): every candidate, the best, the command."""
+
+    def one(c: Candidate) -> dict:
+        return {
+            "mesh": c.layout.mesh, "grad_accum": c.layout.grad_accum,
+            "remat": c.layout.remat, "shard_optimizer": c.layout.zero,
+            "pipeline_schedule": c.layout.schedule if c.layout.stage > 1 else None,
+            "phase": c.phase, "status": c.status,
+            "fits": c.fits, "why": c.why, "measured": c.measured,
+            "time": dataclasses.asdict(c.time) if c.time else None,
+        }  # fmt: skip
+
+    return {
+        "target": str(plan.target), "capacity_bytes": plan.capacity_bytes,
+        "options": dataclasses.asdict(plan.options), "state_bytes": plan.state_bytes,
+        "elapsed_s": plan.elapsed_s, "candidates": [one(c) for c in plan.candidates],
+        "best": one(plan.best) if plan.best else None, "command": plan.command,
+        "compiled": plan.compiled, "notes": plan.notes,
+    }  # fmt: skip

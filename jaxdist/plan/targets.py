@@ -11,13 +11,13 @@ and across nodes (the network, per GPU).
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from jaxdist.cluster import cpu_backend
 from jaxdist.errors import ConfigError
 
 GiB = 2**30
@@ -115,7 +115,7 @@ class Target:
 def cpu_kind(devices_per_node: int) -> DeviceKind:
     """This host's CPU as a device kind: its memory shared by the emulated devices. No
     datasheet peak: 0.1 TFLOP/s per device, a nominal figure (the plan says so)."""
-    memory = _host_memory_bytes() / max(devices_per_node, 1)
+    memory = cpu_backend.host_memory_bytes() / max(devices_per_node, 1)
     return DeviceKind("cpu", memory, {"bfloat16": 0.1 * T, "float32": 0.1 * T}, 10 * G,
                       1 * G, platform="cpu", description="cpu")  # fmt: skip
 
@@ -223,10 +223,3 @@ def _bad(text: str):
         f"--target {text!r}: expected NODESxDEVICES:KIND (8x8:A100-80GB), KIND, cpu:N or "
         f"NxM:cpu; kinds: {', '.join(KINDS)}"
     )
-
-
-def _host_memory_bytes() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 16 * GiB

@@ -13,6 +13,7 @@ W&B never stops the run: the sink runs on the reporting thread, and an error fro
 
 from __future__ import annotations
 
+import os
 import secrets
 import string
 from pathlib import Path
@@ -82,7 +83,10 @@ class WandbRun(Sink):
 
     def __init__(self, run_dir: str | Path, project: str, name: str = ""):
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / "wandb"  # named if a write fails
+        # W&B's files: in WANDB_DIR where the user set it (a scratch disk, a quota), as W&B
+        # itself does; else beside the run's own files. The run id stays in the run dir.
+        self.files_dir = Path(os.environ.get("WANDB_DIR") or self.run_dir)
+        self.path = self.files_dir / "wandb"  # named if a write fails
         self.project, self.name = project, name or self.run_dir.absolute().name
         self.config: dict = {}
         self.resumed = False
@@ -130,12 +134,13 @@ class WandbRun(Sink):
 
         run_id = self._run_id()
         try:
+            self.files_dir.mkdir(parents=True, exist_ok=True)
             self.run = wandb.init(
                 project=self.project,
                 name=self.name,
                 id=run_id,
                 resume="allow",
-                dir=str(self.run_dir),
+                dir=str(self.files_dir),
                 config=self.config,
                 settings=wandb.Settings(console="off"),  # scalars and config only
             )

@@ -73,21 +73,25 @@ def attention_kernel(cfg: ModelConfig) -> str:
 AUTO_LOSS_CHUNKS = 8  # on GPUs (experiments/PERF.md, lever 4)
 
 
-def loss_chunks(cfg: ModelConfig, platform: str) -> int:
+def loss_chunks(cfg: ModelConfig, platform: str, shard_optimizer: bool = False) -> int:
     """``--loss-chunks``, with auto (-1) resolved for devices of ``platform``: 8 slices on
-    GPUs for the built-in GPT's own loss where 8 divides the sequence, else 0."""
+    GPUs for the built-in GPT's own loss where 8 divides the sequence, else 0. Not with
+    ``--shard-optimizer``: there XLA reduce-scatters the tied embedding's two gradients
+    (the lookup's, the fused head's) apart, twice its bytes on the wire."""
     if cfg.loss_chunks >= 0:
         return cfg.loss_chunks
     gpu = platform in ("gpu", "cuda", "rocm")
     fits = cfg.name == "gpt" and not cfg.loss and cfg.seq_len % AUTO_LOSS_CHUNKS == 0
-    return AUTO_LOSS_CHUNKS if gpu and fits else 0
+    return AUTO_LOSS_CHUNKS if gpu and fits and not shard_optimizer else 0
 
 
-def model_loss(cfg: ModelConfig, task: str, inputs: str, labels: str, platform: str):
+def model_loss(
+    cfg: ModelConfig, task: str, inputs: str, labels: str, platform: str, shard_optimizer: bool
+):
     """The loss the step runs: ``--loss``'s, else the task's default, which for the
-    GPT is the fused loss in ``loss_chunks(cfg, platform)`` slices where that is not 0
-    (auto's choice said in one line, process 0)."""
-    chunks = loss_chunks(cfg, platform)
+    GPT is the fused loss in ``loss_chunks(...)`` slices where that is not 0 (auto's
+    choice said in one line, process 0)."""
+    chunks = loss_chunks(cfg, platform, shard_optimizer)
     if chunks:  # the GPT's loss without its logits (config_checks)
         if cfg.loss_chunks < 0 and jax.process_index() == 0:
             print(f"jaxdist: --loss-chunks auto: the GPT's loss in {chunks} slices of the "

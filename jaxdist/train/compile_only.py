@@ -18,11 +18,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxdist.cluster import cpu_backend
 from jaxdist.data.text import BYTE_VOCAB
 from jaxdist.errors import ConfigError
-from jaxdist.parallel import strategies
+from jaxdist.parallel import hlo, strategies
 from jaxdist.parallel.device_mesh import batch_shards
-from jaxdist.plan import hlo
 from jaxdist.train import build_data, trainer
 from jaxdist.train.build_model import model_task
 from jaxdist.train.config import Config
@@ -183,7 +183,5 @@ def capacity_bytes(devices) -> float | None:
     if all(limits):
         return float(min(limits))
     if devices[0].platform == "cpu":
-        from jaxdist.plan.targets import cpu_kind
-
-        return cpu_kind(jax.local_device_count()).memory_bytes
+        return cpu_backend.host_memory_bytes() / max(jax.local_device_count(), 1)
     return None

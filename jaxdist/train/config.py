@@ -61,8 +61,9 @@ class ModelConfig:
     dropout: float = 0.0
     # gpt: the loss and the tied head in this many slices of the sequence, each slice's
     # gradient formed at once, never the whole (B, T, vocab) logits; 0: the plain loss;
-    # -1 (auto): 8 on GPUs where 8 divides seq_len (the same step time, 16-32% less peak
-    # memory at GPT-2 124M/355M on an H200: experiments/PERF.md), else 0
+    # -1 (auto): 8 on GPUs where 8 divides seq_len, without --shard-optimizer (the same
+    # step time, 16-32% less peak memory at GPT-2 124M/355M on an H200:
+    # experiments/PERF.md), else 0
     loss_chunks: int = -1
     # attention over a `seq` mesh axis: gather the keys and values, or ring (ppermute)
     seq_attention: Literal["gather", "ring"] = "ring"

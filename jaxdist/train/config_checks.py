@@ -73,7 +73,7 @@ RANGES: dict[str, Bound] = {
     "data.data_workers": at_least(0),  # 0: none (the thread prefetcher only)
     "data.num_examples": at_least(1),
     "data.eval_examples": at_least(1),
-    "optim.lr": POSITIVE,
+    "optim.lr": at_least(0),  # 0: a frozen run (evaluating a model, checking the data)
     "optim.base_batch_size": at_least(0),  # 0: the global batch
     "optim.warmup_steps": at_least(0),
     "optim.min_lr_ratio": Bound(0, 1),  # the LR decays to lr * ratio: never negative

@@ -8,9 +8,9 @@ import jax
 
 import jaxdist
 from jaxdist.errors import JaxdistError
-from jaxdist.plan.table import size
 from jaxdist.train import compile_only
 from jaxdist.train.config import Config
+from jaxdist.units import size
 
 
 class DoesNotFit(JaxdistError):

@@ -179,7 +179,8 @@ def make_step(
     rules, logical_rules = load_rules(cfg.rules) if cfg.rules else (None, None)
     build = model_factory(model_config, cfg.seed)  # checks the factory's arguments now
     platform = mesh.devices.flat[0].platform
-    loss_fn = wrap_loss(model_loss(model_config, task, d.npz_inputs, d.npz_labels, platform))
+    loss = model_loss(model_config, task, d.npz_inputs, d.npz_labels, platform, cfg.shard_optimizer)
+    loss_fn = wrap_loss(loss)
     schedule = make_schedule(config.optim, cfg.global_batch_size, cfg.steps)
     microbatches, why = cfg.microbatches, ""  # explicit: Parallel refuses one not dividing
     if not microbatches and mesh.shape["stage"] > 1:

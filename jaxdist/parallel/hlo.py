@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxdist.plan.replica_groups import close_bracket, parse_replica_groups
+from jaxdist.parallel.replica_groups import close_bracket, parse_replica_groups
 
 # Bytes per element; every f8 variant (f8e4m3fn, f8e5m2, ...) is 1, see _nbytes.
 _ELEMENT_BYTES = {
