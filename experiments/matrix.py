@@ -14,6 +14,10 @@ Runs:      the built-in GPT on its default data (bytes of the standard library),
            1-device run equals a plain optax loop in tests/test_equivalence.py and
            tests/test_layouts.py). A stacked (pipelined) model's saved params are
            compared per layer with the unstacked model's (the checkpoints' form).
+           The rows named "explicit" train tests/explicit_model.py instead, a model in JAX's
+           explicit-sharding style that names its tensor-parallel axis "tp" (``--axis-names
+           tp=model``), on the same data; the GPT's own flags (bf16, remat, dropout, the
+           pipeline schedules) are n/a there.
 Expected:  every cell "ok": losses within 1e-4 (relative) of the reference, bf16 within 3e-2,
            resumed runs bit for bit; dropout equal to 1 device's where the layout draws one key
            for the global batch and within 3e-2 where it draws one per replica or per
@@ -46,8 +50,32 @@ LAYOUTS = {  # name -> (--mesh, processes)
     "seq=2,fsdp=2,model=2": ("seq=2,fsdp=2,model=2", 1),  # the sequence split 2 ways
     # each fsdp pair spans the 2 processes, each model group stays inside one
     "2 procs x 4: fsdp=2,model=4": ("fsdp=2,model=4", 2),
+    # a model in JAX's explicit-sharding style, naming its tensor-parallel axis "tp"
+    # (tests/explicit_model.py): the layouts its annotations allow, 2 processes among them
+    "explicit: data=8": ("data=8", 1),
+    "explicit: data=2,fsdp=2,model=2": ("data=2,fsdp=2,model=2", 1),
+    "explicit, 2 procs x 4: fsdp=4,model=2": ("fsdp=4,model=2", 2),
 }
-BASE = ["--model", "gpt", "--global-batch-size", "16", "--steps", "6", "--log-every", "1"]
+RUN = ["--global-batch-size", "16", "--steps", "6", "--log-every", "1"]
+GPT = ["--model", "gpt"]
+# the explicit model on the same data (bytes: vocabulary 257, padded to 258 for tp=2)
+EXPLICIT = [
+    *("--model", "explicit_model:build", "--model-args", "vocab=258"),
+    *("--loss", "explicit_model:loss", "--task", "lm", "--axis-names", "tp=model"),
+]
+TESTS = Path(__file__).resolve().parents[1] / "tests"  # where explicit_model.py lives
+# The GPT's own flags: what the explicit model (its own blocks, float32) has no use for
+GPT_ONLY = {"bfloat16", "remat block", "dropout", "1f1b", "interleaved"}
+
+
+def model_flags(layout: str) -> list[str]:
+    return EXPLICIT if layout.startswith("explicit") else GPT
+
+
+def mesh_of(layout: str) -> str:
+    return LAYOUTS.get(layout, (layout,))[0]
+
+
 SGD = ["--optimizer", "sgd", "--lr", "0.3", "--clip-norm", "0", "--momentum", "0"]
 RTOL, LOOSE = 1e-4, 3e-2
 REFERENCE = "1 device"  # every cell's reference: the same flags on one device
@@ -67,15 +95,19 @@ class Result:
         return [r.get(key) for r in self.records if key in r]
 
 
-def run(work: Path, name: str, layout: str, flags: list[str], env=None, run_dir=None) -> Result:
+def run(
+    work: Path, name: str, layout: str, flags: list[str], env=None, run_dir=None, model=None
+) -> Result:
     """``python -m jaxdist.train`` (through the launcher for a 2-process layout) in
     ``work/name``; a run directory given is reused (a resume). In this process instead
-    (``IN_PROCESS``, the tests' way: no interpreter to start) for one process."""
+    (``IN_PROCESS``, the tests' way: no interpreter to start) for one process. ``model``:
+    the model's flags (default: the layout row's)."""
     mesh, processes = LAYOUTS.get(layout, (layout, 1))
     run_dir = run_dir or work / name
     npz = work / f"{name}.npz"
     where = ["--mesh", mesh] if layout != REFERENCE else ["--num-devices", "1"]
-    args = [*BASE, *flags, *where, "--run-dir", str(run_dir), "--save-params", str(npz)]
+    model = model_flags(layout) if model is None else model
+    args = [*model, *RUN, *flags, *where, "--run-dir", str(run_dir), "--save-params", str(npz)]
     if processes == 1 and IN_PROCESS:
         code, tail = _in_process(args, env or {})
     else:
@@ -90,6 +122,7 @@ IN_PROCESS = False  # tests/test_matrix.py sets it (its process already has 8 CP
 
 
 def _subprocess(args: list[str], processes: int, env: dict) -> tuple[int, str]:
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))}
     train = [sys.executable, "-m", "jaxdist.train", *args]
     command = (
         [sys.executable, "-m", "jaxdist.launch", "--nproc", "2", "--cpu-devices-per-proc", "4",
@@ -108,6 +141,8 @@ def _subprocess(args: list[str], processes: int, env: dict) -> tuple[int, str]:
 def _in_process(args: list[str], env: dict) -> tuple[int, str]:
     from jaxdist.train.trainer import main
 
+    if str(TESTS) not in sys.path:  # the explicit model's module
+        sys.path.insert(0, str(TESTS))
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -152,11 +187,13 @@ class Matrix:
     def __init__(self, work: Path):
         self.work, self._refs = work, {}
 
-    def ref(self, flags: tuple[str, ...], env=None) -> Result:
-        key = (flags, tuple(sorted((env or {}).items())))
+    def ref(self, flags: tuple[str, ...], env=None, layout: str = "data=8") -> Result:
+        """1 device's run of ``flags``, with ``layout``'s model."""
+        model = model_flags(layout)
+        key = (tuple(model), flags, tuple(sorted((env or {}).items())))
         if key not in self._refs:
             name = f"ref{len(self._refs)}"
-            self._refs[key] = run(self.work, name, REFERENCE, list(flags), env)
+            self._refs[key] = run(self.work, name, REFERENCE, list(flags), env, model=model)
         return self._refs[key]
 
     def cell(self, layout: str, feature: str) -> Cell:
@@ -184,7 +221,7 @@ def compared(flags: list[str], rtol=RTOL, env=None, key="loss", what="losses", o
 
     def check(m: Matrix, layout: str, name: str):
         flags_ = [*optim, *flags]
-        got, want = run(m.work, name, layout, flags_, env), m.ref(tuple(flags_), env)
+        got, want = run(m.work, name, layout, flags_, env), m.ref(tuple(flags_), env, layout)
         error = close(got.losses(key), want.losses(key), rtol)
         if got.code == 0 and key == "loss":
             error = max(error, params_close(got.params, want.params) if rtol == RTOL else 0)
@@ -197,21 +234,28 @@ def resumed(m: Matrix, layout: str, name: str, elastic: bool = False):
     """``--checkpoint-every 3``, stopped after step 3's checkpoint, then continued."""
     flags = [*SGD, "--checkpoint-every", "3"]
     full = run(m.work, name, layout, flags)
-    target = "data=8" if elastic else layout
-    return continued(m, name, full, target, flags, {}, exact=target == layout)
+    target = elastic_target(layout) if elastic else layout
+    return continued(m, name, full, target, flags, {}, exact=target == layout, model=layout)
 
 
-def continued(m: Matrix, name: str, full: Result, target: str, flags, env, exact: bool):
+def elastic_target(layout: str) -> str:
+    """Where an elastic resume goes: data=8, with the layout row's model."""
+    return "explicit: data=8" if layout.startswith("explicit") else "data=8"
+
+
+def continued(m: Matrix, name: str, full: Result, target: str, flags, env, exact: bool, model=None):
     """``full``'s run directory as a run stopped after step 3 leaves it (its later
     checkpoint removed), continued on ``target``: steps 4-6 equal ``full``'s bit for bit
-    (``exact``: on its own layout), or within RTOL."""
+    (``exact``: on its own layout), or within RTOL. ``model``: the layout row whose
+    model ran (default ``target``'s)."""
     if full.code != 0:
         return verdict(full, 0.0, RTOL, "")
     again = m.work / slug(name, "from3", target, str(len(list(m.work.iterdir()))))
     shutil.copytree(m.work / name, again)
     shutil.rmtree(again / "checkpoints" / "6")
     (again / "metrics.jsonl").write_text("")  # what the resumed run logs, alone
-    got = run(m.work, again.name, target, flags, env, run_dir=again)
+    got = run(m.work, again.name, target, flags, env, run_dir=again,
+              model=model_flags(model or target))  # fmt: skip
     want = [r["loss"] for r in full.records if r["step"] > 3]
     if not exact:
         return verdict(got, close(got.losses(), want, RTOL), RTOL, f"steps 4-6 on {target}")
@@ -225,13 +269,13 @@ def dropout(m: Matrix, layout: str, name: str):
     the layout draws one key per replica (``jaxdist.parallel.strategies.wants_per_replica``)
     or per pipeline microbatch, its masks differ: within LOOSE, unlike the run without."""
     flags = [*SGD, "--dropout", "0.1"]
-    got, want = run(m.work, name, layout, flags), m.ref(tuple(flags))
+    got, want = run(m.work, name, layout, flags), m.ref(tuple(flags), layout=layout)
     if got.code != 0:
         return verdict(got, 0.0, RTOL, "")
     error = close(got.losses(), want.losses(), RTOL)
     if error <= RTOL:
         return "ok", f"losses and masks as 1 device's (one key), within {error:.1e}"
-    plain = close(got.losses()[1:], m.ref(tuple(SGD)).losses()[1:], 0)
+    plain = close(got.losses()[1:], m.ref(tuple(SGD), layout=layout).losses()[1:], 0)
     if plain == 0:
         return "FAILED", "dropout did nothing"
     status, detail = verdict(got, close(got.losses(), want.losses(), LOOSE), LOOSE, "losses")
@@ -267,7 +311,9 @@ ONLY_WITH_STAGE = {"1f1b", "interleaved"}
 
 def applies(layout: str, feature: str) -> str:
     """ "" where ``feature`` applies to ``layout``; else why it does not (the cell: n/a)."""
-    if feature in ONLY_WITH_STAGE and "stage" not in LAYOUTS.get(layout, (layout,))[0]:
+    if layout.startswith("explicit") and feature in GPT_ONLY:
+        return "a flag of the built-in GPT's (its dtype, remat, dropout, pipeline blocks)"
+    if feature in ONLY_WITH_STAGE and "stage" not in mesh_of(layout):
         return "no stage axis: no pipeline to schedule (the flag is ignored, as --microbatches)"
     return ""
 
@@ -283,9 +329,10 @@ def table(cells: list[Cell]) -> str:
         marks = [at[layout, f].status if (layout, f) in at else "" for f in features]
         lines.append(f"| {layout} | " + " | ".join(marks) + " |")
     notes = [f"- {c.layout} / {c.feature}: {c.status}: {c.detail}" for c in cells]
-    if any(c.status == "n/a" for c in cells):  # one line for them all
+    if any(c.status == "n/a" for c in cells):  # one line per reason
         notes = [n for n in notes if ": n/a: " not in n]
-        notes.append(f"- n/a: {applies('data=8', next(iter(ONLY_WITH_STAGE)))}")
+        reasons = dict.fromkeys(c.detail for c in cells if c.status == "n/a")
+        notes += [f"- n/a: {why}" for why in reasons]
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 

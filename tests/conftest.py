@@ -128,8 +128,11 @@ def pytest_terminal_summary(terminalreporter, config):
     if started is None:
         return
     wall = time.monotonic() - started
-    tier = "full" if config.getoption("--full") else "quick (pytest --full runs every test)"
-    terminalreporter.write_line(f"jaxdist tests: the {tier} tier, {wall:.0f} s wall")
+    if config.getoption("--full"):
+        said = "the full tier"
+    else:
+        said = "the quick tier (pytest --full runs every test)"
+    terminalreporter.write_line(f"jaxdist tests: {said}, {wall:.0f} s wall")
 
 
 _STARTED = pytest.StashKey[float]()

@@ -147,7 +147,7 @@ def test_state_shardings_follow_annotations_rules_and_fsdp_default():
     abstract = nnx.state(nnx.eval_shape(build), nnx.Param)
     got = state_shardings(abstract, mesh, rules)
     assert got["blocks"][0]["qkv"]["kernel"].spec == jax.P("fsdp", "model")
-    got = state_shardings(abstract, mesh, logical_rules={"embed": None, "heads": "fsdp"})
+    got = state_shardings(abstract, mesh, axis_names={"embed": None, "heads": "fsdp"})
     assert got["blocks"][0]["qkv"]["kernel"].spec == jax.P(None, "fsdp")
     # Path rules place unannotated arrays; the rest under fsdp split their largest dim.
     plain = nnx.state(nnx.eval_shape(lambda: nnx.Linear(64, 128, rngs=nnx.Rngs(0))))

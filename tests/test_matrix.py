@@ -7,8 +7,10 @@ schedule) equals 1 device with the same flags within 1e-4 (losses, eval losses, 
 params, the skipped step); stopped after its step-3 checkpoint it resumes bit for bit on
 its own layout (2 processes: in other files), and from 2 processes within 1e-4 on data=8
 unscanned (elastic, where no other file tests it); run B (``--dtype bfloat16 --dropout
-0.1``; on stage layouts 1F1B) is within 3e-2 of 1 device's. The 1-device run equals a
-plain optax loop elsewhere (test_equivalence.py)."""
+0.1``; on stage layouts 1F1B) is within 3e-2 of 1 device's. The rows of the
+explicit-style model (tests/explicit_model.py) run A without remat (the GPT's flags are
+n/a there). The 1-device run equals a plain optax loop elsewhere (test_equivalence.py;
+the explicit model's: test_explicit_sharding.py)."""
 
 from __future__ import annotations
 
@@ -45,11 +47,16 @@ LOOSE_FLAGS = [*SGD, "--dtype", "bfloat16", "--dropout", "0.1"]
 
 def covering(m, layout: str, elastic: bool = True) -> dict[str, tuple[str, str]]:
     """feature -> (status, detail) for every feature but ``defaults`` (and ``elastic
-    resume`` unless ``elastic``), from 4 runs (3)."""
+    resume`` unless ``elastic``), from 4 runs (3); an explicit-style model's row: the
+    GPT's flags n/a, 3 runs (2)."""
+    explicit = layout.startswith("explicit")
     staged = not matrix.applies(layout, "1f1b")
     combined = [*COMBINED, *STAGED["COMBINED"]] if staged else COMBINED
+    if explicit:  # its own blocks: no remat to ask of them
+        combined = [f for f in combined if f not in ("--remat", "block")]
     name = matrix.slug(layout, "combined")
-    full, want = run(m.work, name, layout, combined, NAN_ENV), m.ref(tuple(combined), NAN_ENV)
+    full = run(m.work, name, layout, combined, NAN_ENV)
+    want = m.ref(tuple(combined), NAN_ENV, layout)
     params = matrix.params_close(full.params, want.params) if full.code == 0 else 0.0
     evals = close(full.losses("eval_loss"), want.losses("eval_loss"), RTOL)
     error = max(close(full.losses(), want.losses(), RTOL), evals, params)
@@ -61,11 +68,15 @@ def covering(m, layout: str, elastic: bool = True) -> dict[str, tuple[str, str]]
     if layout not in RESUMED_ELSEWHERE:
         found["resume"] = matrix.continued(m, name, full, layout, combined, NAN_ENV, exact=True)
     if elastic:
-        same = layout == "data=8"
-        found["elastic resume"] = matrix.continued(m, name, full, "data=8", combined, NAN_ENV, same)
+        target = matrix.elastic_target(layout)
+        found["elastic resume"] = matrix.continued(
+            m, name, full, target, combined, NAN_ENV, exact=layout == target, model=layout
+        )
+    if explicit:
+        return found | {f: ("n/a", matrix.applies(layout, f)) for f in matrix.GPT_ONLY}
     loose_flags = [*LOOSE_FLAGS, *STAGED["LOOSE"]] if staged else LOOSE_FLAGS
     loose = run(m.work, matrix.slug(layout, "loose"), layout, loose_flags)
-    error = close(loose.losses(), m.ref(tuple(loose_flags)).losses(), LOOSE)
+    error = close(loose.losses(), m.ref(tuple(loose_flags), layout=layout).losses(), LOOSE)
     found["bfloat16"] = found["dropout"] = verdict(loose, error, LOOSE, "bf16 dropout losses")
     found["1f1b"] = found["bfloat16"] if staged else ("n/a", matrix.applies(layout, "1f1b"))
     return found
@@ -84,11 +95,11 @@ SHARDED = [layout for layout in matrix.LAYOUTS if layout != "data=8"]
 # Elastic resumes onto data=8 from data=4,model=2, fsdp=8, data=2,fsdp=2,model=2
 # (test_sharded_save.py) and from stages (stage=2,data=4: test_initial_state_layouts.py)
 # are tested there, bit for bit: here only from 2 processes' sharded checkpoint.
-ELASTIC_HERE = ["2 procs x 4: fsdp=2,model=4"]
+ELASTIC_HERE = ["2 procs x 4: fsdp=2,model=4", "explicit, 2 procs x 4: fsdp=4,model=2"]
 # 2 processes resuming on their own layout, bit for bit: test_checkpoint_cluster.py (a
 # requeued SLURM job, a group restarted twice) and test_preemption.py; not again here (a
 # 2-process run is 16 s of the suite's 20 minutes).
-RESUMED_ELSEWHERE = ["2 procs x 4: fsdp=2,model=4"]
+RESUMED_ELSEWHERE = ["2 procs x 4: fsdp=2,model=4", "explicit, 2 procs x 4: fsdp=4,model=2"]
 
 
 # Two workers' groups, each layout with the rows whose 1-device references it shares (a
@@ -110,7 +121,10 @@ def test_every_feature_runs_and_matches_its_reference(runs, layout):
     want = [f for f in want if f != "resume" or layout not in RESUMED_ELSEWHERE]
     assert sorted(found) == sorted(want)
     na = {f for f, (status, _) in found.items() if status == "n/a"}
-    assert na == ({"1f1b", "interleaved"} if "stage" not in layout else set()), na
+    if layout.startswith("explicit"):
+        assert na == matrix.GPT_ONLY, na
+    else:
+        assert na == ({"1f1b", "interleaved"} if "stage" not in layout else set()), na
     failed = {f: detail for f, (status, detail) in found.items() if status not in ("ok", "n/a")}
     assert not failed, failed
 

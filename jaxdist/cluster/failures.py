@@ -73,6 +73,7 @@ class Failure:
     reported_by: int = 0
     recovered: bool = False  # e.g. a damaged checkpoint skipped for an older one
     time: str = ""
+    traceback: str | None = None  # an error raised in the user's code: where, in full
 
 
 def record(run_dir: Path | None, failure: Failure) -> None:

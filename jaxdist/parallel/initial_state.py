@@ -17,6 +17,7 @@ from flax import linen, nnx
 from jaxdist.errors import ModelError
 from jaxdist.models.adapt import as_nnx, model_copy, split_model
 from jaxdist.models.stack import has_stack
+from jaxdist.parallel import idle_axes
 from jaxdist.parallel.layout import Layout, _map, path_name
 from jaxdist.parallel.step import make_loss, new_state
 
@@ -54,6 +55,13 @@ class ModelSource:
             lambda *parts: new_state(*parts, tx), *self._abstract_state
         )
         self.state_sharding = layout.shardings(self.one_copy_state)
+        # what the layout asks for that does nothing for this model (one line each)
+        params_sharding = getattr(self.state_sharding, "params", None)
+        self.notices = (
+            []
+            if params_sharding is None
+            else idle_axes.notices(layout.mesh, params_sharding, params, layout.shard_optimizer)
+        )
         self.has_batch_stats = bool(jax.tree.leaves(self._abstract_state[1]))
         self._init = jax.jit(init, out_shardings=self.state_sharding)
         # The state as the step sees it (pmap: with its leading device axis), no arrays.
@@ -65,9 +73,15 @@ class ModelSource:
     def lower_init(self) -> jax.stages.Lowered:
         return self._init.lower(*self._args)
 
-    def abstract_loss(self, loss_fn):
-        """The training loss as a pure function, for tracing without data."""
-        return make_loss(self.train_graphdef, loss_fn)
+    @property
+    def abstract_params(self):
+        """The parameters' Variables (shapes and metadata, no arrays)."""
+        return self._abstract_state[0]
+
+    def abstract_loss(self, loss_fn, explicit_view=None):
+        """The training loss as a pure function, for tracing without data (on the
+        explicit view ``explicit_view``, if given)."""
+        return make_loss(self.train_graphdef, loss_fn, explicit_view=explicit_view)
 
     def abstract_args(self, rows):
         """Arguments of ``abstract_loss``: the state's shapes, ``rows``, a key."""

@@ -2,11 +2,12 @@
 training state lives on the mesh, ``state_shardings(abstract_state, mesh, rules)``.
 
 A parameter's ``PartitionSpec`` comes from, in order:
-1. the model's own Flax annotations (``nnx.with_partitioning``; Linen's
-   ``nn.with_logical_partitioning`` through flax's bridge): logical names stored as the
-   Variable metadata ``out_sharding``, mapped to mesh axes by ``LOGICAL_RULES`` (which
-   the user may override name by name: ``logical_rules``, the ``logical:`` part of
-   ``--rules``). Fewer names than dimensions name the leading ones, the rest unsharded,
+1. the model's own Flax annotations (``nnx.with_partitioning``, ``nnx.Param(...,
+   out_sharding=...)``; Linen's ``nn.with_logical_partitioning`` through flax's bridge):
+   names stored as the Variable metadata ``out_sharding``, each mapped to a mesh axis
+   (or none) by ``jaxdist.parallel.axis_names`` (the user's ``--axis-names`` first; a
+   name nothing maps is an error). Fewer names than dimensions name the leading ones,
+   the rest unsharded,
    as flax's ``get_partition_spec`` and JAX's ``PartitionSpec`` read them (``nn.DenseGeneral``
    annotates its (embed, heads, head_dim) kernel with the names of its flat 2-d init);
 2. the user's path rules (``rules=[(regex, axes), ...]``, ``--rules file.yaml``): the
@@ -36,30 +37,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import JaxdistError
-from jaxdist.parallel.device_mesh import AXES, DATA, axis_size
+from jaxdist.parallel.axis_names import Names
+from jaxdist.parallel.device_mesh import DATA, axis_size
 from jaxdist.parallel.offload import in_host_memory
 from jaxdist.parallel.zero import over_data
 
 FSDP = "fsdp"
 
-# Logical axis names (Flax / MaxText vocabulary) -> mesh axes. A name that is itself a
-# mesh axis means that axis; a name not listed here is replicated.
-LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
-    "activation_batch": ("data", "fsdp"),
-    "embed": "fsdp",
-    "mlp": "model",
-    "heads": "model",
-    "q_heads": "model",
-    "kv_heads": "model",
-    "kv": None,
-    "head_dim": None,
-    "vocab": "model",
-    "layers": "stage",
-    "stage": "stage",
-    "length": None,
-    "norm": None,
-}
 MIN_SHARDED = 1024  # elements: smaller unannotated arrays are replicated
 
 
@@ -67,14 +51,13 @@ class LayoutError(JaxdistError):
     pass
 
 
-def state_shardings(
-    abstract_state, mesh: Mesh, rules=None, logical_rules=None, shard_optimizer=False
-):
+def state_shardings(abstract_state, mesh: Mesh, rules=None, axis_names=None, shard_optimizer=False):
     """The ``NamedSharding`` of every array of ``abstract_state`` (a ``TrainState``, or
     an ``nnx.State`` of parameters), as a tree that ``jax.jit``'s ``in_shardings`` and
-    ``out_shardings`` take (one sharding per Variable). ``shard_optimizer``: the
-    optimizer state split over ``data`` too (``zero``, ZeRO-1)."""
-    table = {**LOGICAL_RULES, **(logical_rules or {})}
+    ``out_shardings`` take (one sharding per Variable). ``axis_names``: the user's map of
+    the model's names onto mesh axes. ``shard_optimizer``: the optimizer state split over
+    ``data`` too (``zero``, ZeRO-1)."""
+    table = Names(axis_names)
     path_rules = [(re.compile(pattern), axes) for pattern, axes in (rules or [])]
     replicated = NamedSharding(mesh, P())
     params = getattr(abstract_state, "params", abstract_state)
@@ -88,6 +71,7 @@ def state_shardings(
         return by_path[_keys(path)][1]
 
     param_shardings = _map(param, params)
+    table.check()  # every name the annotations use maps to an axis (or to null)
     if moved and jax.process_index() == 0:
         print(
             f"jaxdist: layout: {len(moved)} parameter(s) name a dimension that fsdp="
@@ -150,7 +134,7 @@ def _param_spec(name, shape, metadata, mesh, table, path_rules, moved) -> P:
     logical = logical or metadata.get("sharding")
     if logical:
         names = _as_tuple(logical, shape, name, pad=True)
-        axes = tuple(_to_mesh(n, table, mesh) for n in names)
+        axes = tuple(table.axes(n, name, metadata) or None for n in names)
         return _checked(name, shape, axes, mesh, f"annotation {tuple(logical)}", moved)
     for pattern, axes in path_rules:
         if pattern.search(name):
@@ -201,7 +185,7 @@ def _checked(name, shape, axes, mesh, why, moved) -> P:
                 f"parameter {name} of shape {tuple(shape)}: dimension {dim} is not divisible "
                 f"by mesh axis {'x'.join(names)} of size {axis_size(mesh, names)} ({why}); "
                 "give the model a size that divides, change --mesh, or map the name to "
-                "another axis or None (logical_rules=, the logical: part of --rules)"
+                "another axis or null (--axis-names, axis_names=)"
             )
         used.update(names)
         out.append(None if not names else names[0] if len(names) == 1 else names)
@@ -209,12 +193,6 @@ def _checked(name, shape, axes, mesh, why, moved) -> P:
         out = _fsdp_elsewhere(shape, out, mesh)
         moved.append(f"{name} {tuple(shape)} ({why}): {_spec(out)}")
     return _spec(out)
-
-
-def _to_mesh(logical, table, mesh):
-    if logical is None or logical in AXES or logical in mesh.axis_names:
-        return logical
-    return table.get(logical)
 
 
 def _as_tuple(axes, shape, name, pad=False) -> tuple:
@@ -266,7 +244,7 @@ class Layout:
     mesh: Mesh
     copies: int = 0
     rules: tuple = ()  # the user's path rules (regex, axes)
-    logical_rules: dict | None = None
+    axis_names: dict | None = None  # the model's names -> mesh axes (jaxdist.parallel.axis_names)
     shard_optimizer: bool = False  # the optimizer state split over data (ZeRO-1)
     offload: tuple[str, ...] = ()  # held in host memory (jaxdist.parallel.offload)
 
@@ -274,7 +252,7 @@ class Layout:
         """The state's shardings: a tree for jit's in/out_shardings (or one for all)."""
         if self.copies:
             return NamedSharding(self.mesh, P(DATA))
-        args = (self.mesh, self.rules, self.logical_rules, self.shard_optimizer)
+        args = (self.mesh, self.rules, self.axis_names, self.shard_optimizer)
         return in_host_memory(state_shardings(abstract_state, *args), self.offload)
 
     def expand(self, state):

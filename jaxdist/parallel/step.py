@@ -24,6 +24,7 @@ microbatches share a mask. ``tests/dropout_contract.py`` is this contract as a p
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -77,6 +78,8 @@ class StepOptions:
     params_in: Callable | None = None
     opt_state_in: Callable | None = None
     offload_activations: bool = False  # the blocks' saved matmul outputs in host memory
+    # an explicit-style model's view of the mesh (jaxdist.parallel.explicit_view); None: none
+    explicit_view: object = None
 
 
 def split_microbatches(batch, k: int):
@@ -103,22 +106,35 @@ def reseeded(graphdef: nnx.GraphDef, params, stats, rng_state, key: jax.Array) -
 
 
 def make_loss(
-    graphdef: nnx.GraphDef, loss_fn: Callable, trivial_axes=(), stack_runner=None, offload=False
-) -> Callable:
+    graphdef: nnx.GraphDef, loss_fn: Callable, trivial_axes=(), stack_runner=None,
+    offload=False, explicit_view=None,
+) -> Callable:  # fmt: skip
     """``(params, stats, rng_state, batch, key) -> (loss, (metrics, new_stats))``: pure,
     the model merged inside, its own axis names bound (see ``jaxdist.parallel.bound_axes``).
-    ``offload``: the blocks' remat moves their saved activations to host memory."""
+    ``offload``: the blocks' remat moves their saved activations to host memory.
+    ``explicit_view``: the model runs on that explicit view of the mesh."""
     loss_fn = normalize_loss_fn(loss_fn)
 
     def loss_of(params, stats, rng_state, batch, key):
-        # copy=True: fresh Variables at this trace level, so BatchNorm may update them
-        # inside jax.grad (sharing the caller's Variables raises TraceContextError).
-        model = nnx.merge(graphdef, params, stats, rng_state, copy=True)
-        with stack.runner(stack_runner), stack.offloading_activations(offload):
-            loss, metrics = loss_fn(model, batch, nnx.Rngs(key))
-        return loss, (metrics, nnx.state(model, nnx.BatchStat))
+        with in_view(explicit_view):
+            if explicit_view is not None:
+                params, (stats, rng_state), batch, key = explicit_view.enter(
+                    params, (stats, rng_state), batch, key
+                )
+            # copy=True: fresh Variables at this trace level, so BatchNorm may update them
+            # inside jax.grad (sharing the caller's Variables raises TraceContextError).
+            model = nnx.merge(graphdef, params, stats, rng_state, copy=True)
+            with stack.runner(stack_runner), stack.offloading_activations(offload):
+                loss, metrics = loss_fn(model, batch, nnx.Rngs(key))
+            out = (loss, (metrics, nnx.state(model, nnx.BatchStat)))
+        return out if explicit_view is None else explicit_view.leave(out)
 
     return bind_trivially(loss_of, trivial_axes)
+
+
+def in_view(explicit_view):
+    """``explicit_view.running()``, or nothing without one."""
+    return contextlib.nullcontext() if explicit_view is None else explicit_view.running()
 
 
 def make_grads(graphdef, loss_fn: Callable, options: StepOptions = StepOptions()) -> Callable:
@@ -126,7 +142,9 @@ def make_grads(graphdef, loss_fn: Callable, options: StepOptions = StepOptions()
     the mean over the rows it is given (one replica's, or the global batch under gspmd),
     over ``grad_accum`` microbatches; nothing is averaged across replicas here."""
     o = options
-    loss = make_loss(graphdef, loss_fn, o.trivial_axes, o.stack_runner, o.offload_activations)
+    loss = make_loss(
+        graphdef, loss_fn, o.trivial_axes, o.stack_runner, o.offload_activations, o.explicit_view
+    )
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
     def grads_at(params, stats, rng_state, batch, key):
@@ -210,9 +228,17 @@ def make_eval_step(
     padding never counts, whatever the device count. ``graphdef`` is in eval mode."""
 
     def per_example(params, stats, rng_state, batch):
-        model = nnx.merge(graphdef, params, stats, rng_state, copy=True)
-        with stack.runner(options.stack_runner):
-            return eval_fn(model, batch)
+        island = options.explicit_view
+        with in_view(island):
+            if island is not None:
+                key = jax.random.key(0)  # evaluation draws no randomness
+                params, (stats, rng_state), batch, _ = island.enter(
+                    params, (stats, rng_state), batch, key
+                )
+            model = nnx.merge(graphdef, params, stats, rng_state, copy=True)
+            with stack.runner(options.stack_runner):
+                values = eval_fn(model, batch)
+        return values if island is None else island.leave(values)
 
     per_example = bind_trivially(per_example, options.trivial_axes)
 

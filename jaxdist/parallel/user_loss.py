@@ -8,7 +8,11 @@ return the logits) is ignored, never averaged.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import os
+import sysconfig
+import traceback
 from collections.abc import Callable
 
 import jax
@@ -97,7 +101,36 @@ def scalar_metrics(aux, name: str) -> dict:
 
 
 def _user_error(name: str, batch, err: Exception) -> ModelError:
+    where = user_frame(err)
+    at = f" (at {where})" if where else ""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return ModelError(
-        f"the loss function {name} (or the model it calls) raised {type(err).__name__}: "
-        f"{err}; it was given a batch of {describe_batch(batch)}"
+        f"the loss function {name} (or the model it calls) raised {type(err).__name__}{at}: "
+        f"{first}; it was given a batch of {describe_batch(batch)}"
     )
+
+
+def user_frame(err: BaseException) -> str | None:
+    """``my_model.py:42 in attention``: the innermost frame of ``err``'s traceback outside
+    JAX, Flax, optax, numpy, jaxdist and Python's own library (the user's line), else None."""
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        path = os.path.abspath(frame.filename)
+        if frame.filename.startswith("<") or any(path.startswith(r) for r in _library_roots()):
+            continue
+        shown = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+        return f"{shown}:{frame.lineno} in {frame.name}"
+    return None
+
+
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    import flax
+    import jaxlib
+    import optax
+
+    import jaxdist
+
+    packages = (jax, jaxlib, flax, optax, np, jaxdist)
+    roots = [os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in packages]
+    roots.append(os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep)
+    return tuple(roots)

@@ -53,8 +53,10 @@ class Parallel:
         ``"skip"``: such a step leaves params, optimizer state and statistics unchanged.
       batch_check: ``fn(batch) -> (B,) bool`` run on the devices in every step; a False
         row makes ``check`` raise ``BadBatchError`` naming the step and the row.
-      rules, logical_rules: the layout's path rules and logical-axis table overrides
-        (``jaxdist.parallel.layout.state_shardings``).
+      rules: the layout's path rules (``jaxdist.parallel.layout.state_shardings``).
+      axis_names: the model's names for axes -> jaxdist's mesh axes or None, e.g.
+        ``{"tp": "model"}`` (``jaxdist.parallel.axis_names``); ``logical_rules``: the
+        same, its older name (both may be given: ``axis_names`` wins).
       microbatches: with a ``stage`` mesh axis, the GPipe schedule's (0: 4 per stage).
       shard_optimizer: the optimizer state split over ``data`` (ZeRO-1; not under pmap).
       pipeline_schedule, virtual_stages: gpipe, 1f1b, interleaved (V chunks per device).
@@ -88,6 +90,7 @@ class Parallel:
         nan_policy: str = "halt",
         batch_check: Callable | None = None,
         rules=None,
+        axis_names: dict | None = None,
         logical_rules: dict | None = None,
         microbatches: int = 0,
         shard_optimizer: bool = False,
@@ -99,15 +102,20 @@ class Parallel:
             raise ConfigError(f"nan_policy: {nan_policy!r} is not one of halt, skip")
         self.mesh = make_mesh() if mesh is None else mesh
         self.strategy = strategy
-        self.layout = strategies.layout(strategy, self.mesh, rules, logical_rules, shard_optimizer)
+        names = {**(logical_rules or {}), **(axis_names or {})}
+        self.layout = strategies.layout(strategy, self.mesh, rules, names, shard_optimizer)
         self.layout = offloaded(self.layout, offload, strategy)  # checked; in host memory
         self.nan_policy = nan_policy
         self.sync_batch_stats = sync_batch_stats
         self.axis_bindings: dict[str, str] = {}  # the model's axis names -> what they mean
+        self.explicit_view = None  # an explicit-style model's view (found on the first batch)
         self._source = ModelSource(
             model, optimizer, self.layout, example_input, seed=seed, linen_train_arg=linen_train_arg
         )
         self.graphdef = self._source.eval_graphdef  # merge() builds eval-mode models
+        self.notices = self._source.notices  # what the layout does not do for this model
+        for line in self.notices if jax.process_index() == 0 else ():
+            print(f"jaxdist: warning: {line}", flush=True)
         # The stage axis: a GPipe schedule over the model's Stack (None without stages).
         self.pipeline = pipeline.plan(
             self.mesh, self._source.has_stack, self._source.stacked, microbatches,
@@ -253,14 +261,10 @@ class Parallel:
         return self._wired
 
     def _build_steps(self, batch) -> tuple[StepProgram, Callable]:
-        """Finds the model's axis names on the first batch, then builds and wires the steps."""
-        names = bound_axes.names_used(
-            self._source.abstract_loss(self._loss_fn),
-            *self._source.abstract_args(
-                strategies.example_rows(self.strategy, self.mesh, self._options.grad_accum, batch)
-            ),
-        )
-        per_replica = strategies.wants_per_replica(
+        """Finds the model's axis names and sharding style on the first batch, then builds
+        and wires the steps."""
+        names, self.explicit_view = wiring.model_axes(self, batch)
+        per_replica = self.explicit_view is None and strategies.wants_per_replica(
             self.strategy,
             self.mesh,
             self._options.grad_accum,

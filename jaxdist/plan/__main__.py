@@ -6,6 +6,7 @@ was compiled (the budget or the time limits cut every one off: nothing was ruled
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -73,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             args.budget_s, args.workers, args.efficiency, args.overlap, args.memory_fraction,
             args.candidate_timeout_s, args.worker_memory_gib,
         )  # fmt: skip
-        result = plan(train_flags, args.target, options, progress=_progress())
+        # the library's start-up lines (building the step to size its state) to stderr:
+        # stdout is the plan alone (its JSON, with --json)
+        with contextlib.redirect_stdout(sys.stderr):
+            result = plan(train_flags, args.target, options, progress=_progress())
     except JaxdistError as err:
         print(f"jaxdist: error: {err}", file=sys.stderr)
         return 2

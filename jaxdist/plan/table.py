@@ -89,6 +89,8 @@ def _cells(c: Candidate, plan: Plan) -> list[str]:
                 f"{c.status}: {why}"]  # fmt: skip
     m = c.measured
     note = "" if not m["unknown_loops"] else f"{m['unknown_loops']} loop(s) counted once"
+    for notice in m.get("notices", []):  # e.g. "--mesh model=2 splits no parameter ..."
+        note += f" {notice.split(':')[0]}"
     if m.get("microbatches"):
         note = f"pipeline {m['microbatches']} microbatches " + note
     return [

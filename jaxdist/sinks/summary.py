@@ -104,8 +104,14 @@ class Summary(Sink):
         return out
 
     def table(self) -> str:
-        """Two columns, one figure a line."""
-        rows = [(LABELS[k][0], LABELS[k][1](v)) for k, v in self.figures().items() if k in LABELS]
+        """Two columns, one figure a line; a resumed run's labels say which figures are
+        for the whole run and which for this attempt."""
+        resumed = self.started is not None and self.started.first_step > 1
+        rows = [
+            (LABELS[k][0] + (f" ({SCOPE[k]})" if resumed and k in SCOPE else ""), LABELS[k][1](v))
+            for k, v in self.figures().items()
+            if k in LABELS
+        ]
         width = max((len(name) for name, _ in rows), default=0)
         return "\n".join(f"  {name:<{width}}  {text}" for name, text in rows)
 
@@ -118,6 +124,23 @@ def _number(value) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+# What each figure of a resumed run covers: the run since step 1, or this attempt.
+SCOPE = {
+    **dict.fromkeys(("steps", "samples", "tokens", "goodput"), "whole run"),
+    **dict.fromkeys(
+        (
+            "wall_s",
+            "compile_s",
+            "step_time_mean_s",
+            "step_time_p90_s",
+            "samples_per_s",
+            "tokens_per_s",
+            "mfu",
+            "checkpoints",
+        ),
+        "this attempt",
+    ),  # fmt: skip
+}
 LABELS = {
     "steps": ("steps", str),
     "samples": ("samples", lambda v: f"{v:,}"),

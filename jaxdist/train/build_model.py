@@ -20,7 +20,7 @@ from jaxdist.errors import ConfigError
 from jaxdist.losses import default_loss, make_fused_next_token_loss
 from jaxdist.models import fp8
 from jaxdist.train.config import ModelConfig
-from jaxdist.train.factories import bind, import_object, parse_model_args
+from jaxdist.train.factories import bind, import_object, parse_model_args, signature
 
 
 @dataclass(frozen=True)
@@ -150,8 +150,41 @@ class Fp8Builder:
         return model
 
 
+# The built-in GPT's own flags and their defaults: set for a model that cannot read them
+# (the MLP; a factory without a config parameter), they would change nothing.
+GPT_FLAGS = {"scan_layers": False, "remat": "none", "dropout": 0.0, "attention": "auto",
+             "seq_attention": "ring", "layer_norm_eps": 1e-6}  # fmt: skip
+
+
+def check_gpt_flags(cfg: ModelConfig, reads_config: bool) -> None:
+    """``ConfigError`` for a GPT flag given to a model that cannot see it."""
+    given = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k, v in GPT_FLAGS.items()
+             if getattr(cfg, k) != v]  # fmt: skip
+    if given and not reads_config:
+        raise ConfigError(
+            f"{', '.join(given)}: the built-in GPT's flag(s), which --model {cfg.name} cannot "
+            "see (it builds its own blocks and takes no config parameter), so they would "
+            "change nothing; drop them, or give the factory a config parameter that reads them "
+            "(for stacked blocks: jaxdist.models.Stack, nnx.scan or Linen's nn.scan)"
+        )
+
+
+CONFIG_NAMES = ("config", "model_config", "cfg")  # a factory's parameter for the ModelConfig
+
+
+def takes_config(factory) -> bool:
+    """Whether ``factory`` has a parameter that gets the ModelConfig (or ``**kwargs``, or
+    no signature to read: the benefit of the doubt)."""
+    sig = signature(factory)
+    if sig is None:
+        return True
+    params = sig.parameters.values()
+    return any(p.name in CONFIG_NAMES or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def _factory(cfg: ModelConfig, seed: int) -> Callable[[], object]:
     if cfg.name in BUILTIN:
+        check_gpt_flags(cfg, reads_config=cfg.name == "gpt")
         if cfg.model_args:
             raise ConfigError(
                 f"--model-args {cfg.model_args!r}: only for a factory package.module:function; "
@@ -168,7 +201,8 @@ def _factory(cfg: ModelConfig, seed: int) -> Callable[[], object]:
     if not callable(factory):
         raise ConfigError(f"--model {cfg.name!r} is not callable")
     supplied = {"rngs": lambda: nnx.Rngs(seed)}
-    supplied.update(dict.fromkeys(("config", "model_config", "cfg"), lambda: cfg))
+    supplied.update(dict.fromkeys(CONFIG_NAMES, lambda: cfg))
+    check_gpt_flags(cfg, reads_config=takes_config(factory))
     extra = parse_model_args(cfg.model_args)
     return bind(factory, f"--model {cfg.name}", supplied, extra, fallback="rngs")
 

@@ -145,6 +145,7 @@ class Measured:
     microbatches: int  # the pipeline's, with a stage axis (0: none)
     lower_s: float
     compile_s: float
+    notices: list = dataclasses.field(default_factory=list)  # what the layout does not do
 
 
 def measure(config: Config, devices, node_of_device: Callable) -> Measured:
@@ -173,6 +174,7 @@ def measure(config: Config, devices, node_of_device: Callable) -> Measured:
     return Measured(
         arg, out, temp, alias, arg + out + temp - alias, counts.matmul_flops, links, wire,
         counts.bytes_by_kind(), counts.unknown_trip_counts, pipeline, t1 - t0, t2 - t1,
+        list(dp.notices),
     )  # fmt: skip
 
 

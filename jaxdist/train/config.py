@@ -125,6 +125,9 @@ class TrainConfig:
     # "": every device on data. pmap takes data only.
     mesh: str = ""
     rules: str = ""  # YAML file of [regex on a param path, [axis or null per dim]] pairs
+    # the model's own names for axes -> mesh axes: "tp=model,dp=data,kv=null" (null:
+    # replicated on purpose); a name its annotations use that nothing maps is an error
+    axis_names: str = ""
     # pipeline (--mesh stage=S): microbatches of the GPipe schedule; 0 = auto: the largest
     # count <= 4 x S that divides the rows each pipeline replica holds per step
     microbatches: int = 0

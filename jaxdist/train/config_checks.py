@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from jaxdist.errors import ConfigError
+from jaxdist.parallel import axis_names
 from jaxdist.train.factories import NUMBER, parse_model_args
 
 MAX_INT32 = 2**31 - 1
@@ -160,6 +161,7 @@ def validate(config) -> None:
             f"model.n_heads={config.model.n_heads}"
         )
     check_loss_chunks(config.model)
+    axis_names.parse(config.train.axis_names)  # a bad map exits 2 before anything runs
     check_process_group(config.dist)
 
 

@@ -8,7 +8,10 @@ threads that find them (``jaxdist.health.hang_report``, ``jaxdist.cluster.peers`
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 
 import jax
@@ -17,7 +20,7 @@ from jaxdist.checkpoint import io_errors
 from jaxdist.checkpoint.checkpointer import CorruptCheckpointError
 from jaxdist.cluster import failures
 from jaxdist.cluster.preemption import Preempted
-from jaxdist.errors import JaxdistError
+from jaxdist.errors import JaxdistError, ModelError
 from jaxdist.health.agreement import MismatchError
 from jaxdist.health.replica_check import ReplicaDivergenceError
 from jaxdist.parallel.step_checks import NonFiniteError
@@ -69,7 +72,8 @@ def run(train_fn, argv: list[str] | None, clock_start: float) -> int:
 def end(cause: str, err: Exception, is_error: bool) -> int:
     code = failures.CODES[cause]
     label = "error: " if is_error else ""
-    print(f"{rank_prefix()}jaxdist: {label}{err}", file=sys.stderr, flush=True)
+    trace, where = user_traceback(err)
+    print(f"{rank_prefix()}jaxdist: {label}{err}{where}", file=sys.stderr, flush=True)
     run_dir = getattr(err, "run_dir", None)
     step = getattr(err, "step", None)
     culprit = getattr(err, "process", None)
@@ -82,11 +86,28 @@ def end(cause: str, err: Exception, is_error: bool) -> int:
         detect_s=0.0 if cause in ("mismatch", "bad_input") else None,
         exit_code=code,
         reported_by=_process_index(),
+        traceback=trace,
     )
     if _process_index() == 0:
         failures.record(run_dir, failure)
     failures.tell_launcher(failure)
     return code
+
+
+def user_traceback(err: Exception) -> tuple[str | None, str]:
+    """(the full traceback of an error raised in the user's model or loss, "; its
+    traceback: FILE" for the one line), or (None, "") for every other error. The file
+    is in the system's temporary folder: a run refused before its first step writes
+    nothing in its run directory."""
+    if not isinstance(err, ModelError) or err.__cause__ is None:
+        return None, ""
+    text = "".join(traceback.format_exception(err.__cause__))
+    path = Path(tempfile.gettempdir()) / f"jaxdist-traceback-{os.getpid()}.txt"
+    try:
+        path.write_text(text)
+    except OSError:
+        return text, ""
+    return text, f"; its traceback: {path}"
 
 
 def rank_prefix() -> str:

@@ -18,6 +18,17 @@ def effective_lr(cfg: OptimConfig, global_batch_size: int) -> float:
     return cfg.lr * factor
 
 
+def warmup_note(cfg: OptimConfig, steps: int) -> str | None:
+    """The start-up line of a warm-up cut to fit the run, or None."""
+    if cfg.warmup_steps <= steps - 1:
+        return None
+    return (
+        f"--warmup-steps {cfg.warmup_steps} is cut to {max(steps - 1, 0)} for a run of "
+        f"{steps} steps (--steps): the learning rate peaks at the last step's start, so "
+        "runs of other lengths follow other schedules"
+    )
+
+
 def make_schedule(cfg: OptimConfig, global_batch_size: int, steps: int) -> optax.Schedule:
     peak = effective_lr(cfg, global_batch_size)
     warmup = min(cfg.warmup_steps, steps - 1)

@@ -11,18 +11,20 @@ from jaxdist.parallel.layout import LayoutError
 
 
 def load_rules(path: str) -> tuple[list[tuple[str, tuple]], dict]:
-    """``--rules file.yaml`` -> (path rules, logical-rule overrides). The file is a list
-    of ``[regex, [axis or null, ...]]`` pairs, or a mapping ``regex: [axes]``, or a
-    mapping with ``paths:`` (either form) and ``logical:`` (``name: axis or null``)."""
+    """``--rules file.yaml`` -> (path rules, the model's axis names -> mesh axes). The
+    file is a list of ``[regex, [axis or null, ...]]`` pairs, or a mapping ``regex:
+    [axes]``, or a mapping with ``paths:`` (either form) and ``axis_names:`` (``name: axis
+    or null``; ``logical:`` is its older name)."""
     file = pathlib.Path(path)
     if not file.is_file():
         raise LayoutError(f"--rules: no such file {path}")
     loaded = yaml.safe_load(file.read_text()) or []
     logical = {}
-    if isinstance(loaded, dict) and set(loaded) <= {"paths", "logical"} and loaded:
-        logical = loaded.get("logical") or {}
-        if not isinstance(logical, dict):
-            raise LayoutError(f"--rules {path}: logical: must map names to mesh axes")
+    if isinstance(loaded, dict) and set(loaded) <= {"paths", "logical", "axis_names"} and loaded:
+        parts = [loaded.get("logical") or {}, loaded.get("axis_names") or {}]
+        if not all(isinstance(part, dict) for part in parts):
+            raise LayoutError(f"--rules {path}: axis_names: must map names to mesh axes")
+        logical = {**parts[0], **parts[1]}
         loaded = loaded.get("paths") or []
     pairs = list(loaded.items()) if isinstance(loaded, dict) else loaded
     out = []

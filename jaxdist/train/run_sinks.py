@@ -16,6 +16,7 @@ from jaxdist.train import config as config_lib
 from jaxdist.train import config_checks
 from jaxdist.train.config import Config
 from jaxdist.train.loop import Run
+from jaxdist.train.optim import warmup_note
 
 
 def make_sinks(config: Config, run: Run, quiet: bool, clock_start: float) -> Sinks:
@@ -89,6 +90,9 @@ def announce(run: Run, sinks) -> None:
         )
     )
     sinks.emit(Note(f"jaxdist: {run.health.describe()}"))
+    cut = warmup_note(run.config.optim, cfg.steps)
+    if cut:
+        sinks.emit(Note(f"jaxdist: {cut}"))
     if run.begin.step or run.begin.earlier_last_step:  # resumed, or restarted from step 0
         sinks.emit(Resumed(run.begin.step, earlier_last_step=run.begin.earlier_last_step))
     for role, saved, found in run.begin.data_changed:  # --data-changed ok: on the record

@@ -20,7 +20,7 @@ from jaxdist.cluster.shutdown import exit_now
 from jaxdist.health.agreement import MismatchError
 from jaxdist.health.replica_check import ReplicaDivergenceError
 from jaxdist.losses import default_eval
-from jaxdist.parallel import strategies
+from jaxdist.parallel import axis_names, strategies
 from jaxdist.parallel.device_mesh import batch_shards, parse_mesh
 from jaxdist.parallel.strategies import pipeline
 from jaxdist.sinks.goodput import process_clock_start
@@ -177,6 +177,7 @@ def make_step(
     if mesh.shape["stage"] > 1 and model_config.name == "gpt":  # stages split a stack
         model_config = dataclasses.replace(model_config, scan_layers=True)
     rules, logical_rules = load_rules(cfg.rules) if cfg.rules else (None, None)
+    names = {**(logical_rules or {}), **axis_names.parse(cfg.axis_names)}  # the flag wins
     build = model_factory(model_config, cfg.seed)  # checks the factory's arguments now
     platform = mesh.devices.flat[0].platform
     loss = model_loss(model_config, task, d.npz_inputs, d.npz_labels, platform, cfg.shard_optimizer)
@@ -202,7 +203,7 @@ def make_step(
         nan_policy=cfg.nan_policy,
         batch_check=data.row_check,
         rules=rules,
-        logical_rules=logical_rules,
+        axis_names=names,
         microbatches=microbatches,
         shard_optimizer=cfg.shard_optimizer,
         pipeline_schedule=cfg.pipeline_schedule,

@@ -35,7 +35,7 @@ def _module(name: str):
     return module
 
 
-def layout(name: str, mesh: Mesh, rules=(), logical_rules=None, shard_optimizer=False) -> Layout:
+def layout(name: str, mesh: Mesh, rules=(), axis_names=None, shard_optimizer=False) -> Layout:
     _module(name)  # checks the name
     if shard_optimizer and name == "pmap":
         raise ConfigError(
@@ -52,8 +52,8 @@ def layout(name: str, mesh: Mesh, rules=(), logical_rules=None, shard_optimizer=
         )
     _check_seq(mesh)
     if name == "pmap":  # (N, ...): device d holds row d
-        return Layout(mesh, copies=mesh.size)
-    return Layout(mesh, rules=tuple(rules or ()), logical_rules=logical_rules,
+        return Layout(mesh, copies=mesh.size, axis_names=axis_names)
+    return Layout(mesh, rules=tuple(rules or ()), axis_names=axis_names,
                   shard_optimizer=shard_optimizer)  # fmt: skip
 
 
