@@ -97,6 +97,6 @@ def collected(*args: str) -> list[str]:
 
 def test_pytest_leaves_out_the_tests_marked_full_and_full_runs_them():
     quick, full = collected(), collected("--full")
-    assert "test_the_full_tier_holds_the_marked_tests" not in quick
-    assert "test_the_full_tier_holds_the_marked_tests" in full
-    assert set(quick) < set(full) and len(full) - len(quick) == 1
+    listed = {"test_pytest_leaves_out_the_tests_marked_full_and_full_runs_them"}  # full_tier.txt
+    assert set(full) - set(quick) == {"test_the_full_tier_holds_the_marked_tests", *listed}
+    assert set(quick) == {"test_every_subsystem_has_an_end_to_end_test_in_the_quick_tier"}
