@@ -116,7 +116,7 @@ def timed(fn, repeats: int) -> tuple[float, float]:
 def measure_checkpoints(cpu_devices: int, root: Path, repeats: int) -> list[tuple]:
     import jax
 
-    from jaxdist.checkpoint.checkpointer import fingerprints
+    from jaxdist.checkpoint.verify import fingerprints
 
     start = time.perf_counter()
     dp, state = build_state(cpu_devices)

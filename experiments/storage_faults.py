@@ -50,14 +50,14 @@ class Row:
 class Watched:
     """A command whose output lines are read as they come, each with its time."""
 
-    def __init__(self, args: list[str], cwd: Path, module: str = "jaxdist.train"):
+    def __init__(self, args: list[str], cwd: Path, module: str = "jaxdist.train", env=None):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             cwd=cwd,
-            env=ENV,
+            env=ENV if env is None else env,
             start_new_session=True,
         )
         self.lines: list[tuple[float, str]] = []

@@ -99,3 +99,29 @@ def exit_on(rank: int, bad_rank: int, pid_dir: str) -> None:
             time.sleep(0.05)
         sys.exit(3)
     time.sleep(600)
+
+
+def save_barrier_failure(rank: int, directory: str) -> tuple[str, float]:
+    """Checkpoint 10's barriers between 2 processes: process 1's write fails (its error
+    rises through a ``finally`` that meets a barrier, as in orbax's finalizing thread);
+    process 0 waits at a barrier process 1 never reaches. Returns (the error each
+    raised, the seconds it waited)."""
+    import errno
+
+    from jaxdist.checkpoint.outcome import SaveBarrier
+
+    barrier = SaveBarrier(Path(directory), rank, 2)
+    barrier.start(5)
+    barrier(key="write_complete", timeout_ms=60_000)  # both arrive: it passes
+    barrier.start(10)
+    started = time.monotonic()
+    try:
+        if rank == 1:
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device", f"{directory}/10/x")
+            finally:
+                barrier(key="finished", timeout_ms=60_000)
+        barrier(key="write_complete", timeout_ms=60_000)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}", time.monotonic() - started
+    return "passed", time.monotonic() - started

@@ -13,9 +13,10 @@ from jaxdist.cluster import failures
 from jaxdist.cluster.environment import ClusterSpec
 from jaxdist.cluster.service import service_address
 from jaxdist.errors import ConfigError
+from jaxdist.health.deadlines import AUTO_FLOOR_S, WARMUP_STEPS, Deadlines
 from jaxdist.health.fault_injection import Fault, Faults, parse
 from jaxdist.health.hang_report import name_culprit
-from jaxdist.health.watchdog import AUTO_FLOOR_S, WARMUP_STEPS, Deadlines, Watchdog
+from jaxdist.health.watchdog import Watchdog
 
 
 def test_the_automatic_step_deadline_is_20_median_steps_but_at_least_5_minutes(monkeypatch):

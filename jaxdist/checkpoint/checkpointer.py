@@ -6,16 +6,16 @@ and ``meta``, JSON: the names, shapes and dtypes (``tree``), a fingerprint of ev
 array (``fingerprints``), and what the caller adds (the trainer: the data position and
 the resolved config). Nothing is pickled.
 
-orbax checks no checksum of array contents (a flipped byte inside a chunk file restores
-silently as a wrong value: shared/jax-notes fact 4). So every array gets a fingerprint
-at save time, computed on the devices where it lives, and again after restore: a
-mismatch names the checkpoint step, the array and both values, and the previous
-checkpoint is used instead. The fingerprint is the same for any layout (it sums over
-global element positions), so a checkpoint restored onto another mesh is verified too.
+Every array gets a fingerprint at save time (``verify.py``), computed on the devices
+where it lives, and again after restore: a mismatch names the checkpoint step, the array
+and both values, and the previous checkpoint is used instead. The fingerprint is the
+same for any layout, so a checkpoint restored onto another mesh is verified too.
 
 orbax writes a step into a temporary directory and renames it when every process has
 finished: a save killed half way leaves no ``<step>`` directory, only the temporary one,
-which the next ``Checkpointer`` removes (process 0, synchronously).
+which the next ``Checkpointer`` removes (process 0, synchronously). With several
+processes, a save's outcome is one for all (``outcome``): a write that fails on
+one process fails the save on every process, with the same error, within the deadline.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
 from jaxdist.checkpoint import io_errors, orbax_items
-from jaxdist.errors import ConfigError, JaxdistError
+from jaxdist.checkpoint.outcome import SaveBarrier
+from jaxdist.checkpoint.verify import check_compatible, describe, fingerprints, unreadable
+from jaxdist.errors import JaxdistError
 
 _TMP_MARK = ".orbax-checkpoint-tmp"
 
@@ -40,53 +41,12 @@ class CorruptCheckpointError(JaxdistError):
     """Every checkpoint in the directory failed its fingerprint check or could not be read."""
 
 
-def fingerprint(x: jax.Array) -> jax.Array:
-    """A uint32 summary of ``x``'s bits: sum over elements of bits x an odd weight of the
-    element's global position, mod 2^32. One flipped bit changes it (2^k times an odd
-    number is never 0 mod 2^32 for k < 32); it needs no reshape, so a sharded array is
-    summed where it lives and the result does not depend on the layout."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host:
-        x = jax.device_put(x, jax.memory.Space.Device)  # offloaded state: read it on the device
-    if x.dtype.itemsize == 4:
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    elif x.dtype.itemsize == 2:
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
-    elif x.dtype.itemsize == 1:
-        bits = x.astype(jnp.uint8).astype(jnp.uint32)
-    else:  # 8-byte values: both halves
-        bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
-    position = jnp.zeros(bits.shape, jnp.uint32)
-    for dim in range(bits.ndim):  # row-major position, mod 2^32
-        stride = int(np.prod(bits.shape[dim + 1 :], dtype=np.uint64) % 2**32)
-        position = position + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, dim) * stride
-    weight = position * jnp.uint32(0x9E3779B1) | jnp.uint32(1)
-    return jnp.sum(bits * weight, dtype=jnp.uint32)
-
-
-@jax.jit
-def _fingerprints(arrays: dict) -> dict:
-    return {name: fingerprint(x) for name, x in arrays.items()}
-
-
-def fingerprints(arrays: dict[str, jax.Array]) -> dict[str, int]:
-    """``fingerprint`` of every array, as Python ints (the same on every process)."""
-    values = _fingerprints(arrays)
-    return {name: int(np.asarray(v.addressable_data(0))) for name, v in values.items()}
-
-
-def describe(arrays: dict) -> dict[str, list]:
-    """name -> [shape, dtype]: what a checkpoint must match to be restored."""
-    return {name: [list(x.shape), str(x.dtype)] for name, x in arrays.items()}
-
-
 class Checkpointer:
     """Checkpoints in ``directory``, the newest ``keep`` kept. ``save`` returns once the
     arrays are copied off the devices (the state may then change); the files are
     written in the background, and the next ``save`` waits for the previous one."""
 
-    def __init__(self, directory: Path | str, *, keep: int = 3):
+    def __init__(self, directory: Path | str, *, keep: int = 3, deadline_s: float = 1800.0):
         self.skipped: list[tuple[int, str]] = []  # the last restore's damaged checkpoints
         import orbax.checkpoint as ocp
 
@@ -96,10 +56,29 @@ class Checkpointer:
             remove_partial(self.directory)
         multihost_utils.sync_global_devices(f"jaxdist-checkpointer:{self.directory}")
         self._ocp, self._keep = ocp, keep
+        # orbax's barriers wait at most this long: a minute past jaxdist's checkpoint
+        # deadline, so that the watchdog, when on, names a stalled write first
+        self._timeout_s = int(deadline_s) + 60
+        self._barrier = (
+            SaveBarrier(self.directory, jax.process_index(), jax.process_count())
+            if jax.process_count() > 1
+            else None
+        )
         # the save being written in the background: (step, time.monotonic() at its start)
         self.writing: tuple[int, float] | None = None
+        self._orbax = None
+        self._open()  # the directory is created, or its failure named, here
+
+    @property
+    def _manager(self):
+        """orbax's manager of the directory; a new one after a save was abandoned (made
+        by the next use, which every process reaches: making one meets the others)."""
+        return self._orbax or self._open()
+
+    def _open(self):
         with io_errors.writing("create the checkpoint directory", self.directory):
-            self._manager = self._new_manager()
+            self._orbax = self._new_manager()
+        return self._orbax
 
     def _new_manager(self):
         ocp = self._ocp
@@ -107,7 +86,12 @@ class Checkpointer:
             self.directory,
             item_handlers=orbax_items.handlers(),
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=self._keep, enable_async_checkpointing=True, create=True
+                max_to_keep=self._keep,
+                enable_async_checkpointing=True,
+                create=True,
+                async_options=ocp.AsyncOptions(
+                    timeout_secs=self._timeout_s, barrier_sync_fn=self._barrier
+                ),
             ),
         )
 
@@ -127,6 +111,8 @@ class Checkpointer:
             **(extra or {}),
         }
         self.wait()  # orbax would wait too: a failure of the previous save is named as its
+        if self._barrier is not None:
+            self._barrier.start(step)
         self.writing = (step, time.monotonic())
         with self._failing(step):
             self._manager.save(step, args=orbax_items.save(arrays, meta))
@@ -136,15 +122,19 @@ class Checkpointer:
         """Blocks until the last save is complete on disk; ``StorageError`` if it failed."""
         if self.writing is None:
             return
-        with self._failing(self.writing[0]):
-            self._manager.wait_until_finished()
+        step = self.writing[0]
+        with self._failing(step):
+            if self._barrier is None:
+                self._manager.wait_until_finished()
+            else:  # cut short by a failure of another process
+                self._barrier.wait_for(self._manager, step)
         self.writing = None
 
     def in_flight(self) -> tuple[int, float, Path] | None:
         """(step, seconds, directory) of a save still being written, or None. Read by the
         watchdog's thread: a stalled file system shows as a save that never ends."""
-        writing = self.writing
-        if writing is None or not self._manager.is_saving_in_progress():
+        writing, manager = self.writing, self._orbax
+        if writing is None or manager is None or not manager.is_saving_in_progress():
             return None
         return writing[0], time.monotonic() - writing[1], self.directory / str(writing[0])
 
@@ -157,21 +147,26 @@ class Checkpointer:
         try:
             yield
         except Exception as err:
-            where = self.directory / str(step)
-            failed = io_errors.storage_error(err, f"write checkpoint {step} to", where, step)
+            failed = self._outcome(err, step)
             if failed is None:
                 raise
             self.writing = None
             self._abandon()
             raise failed from None
 
+    def _outcome(self, err: Exception, step: int) -> io_errors.StorageError | None:
+        """``err`` as the ``StorageError`` of checkpoint ``step``: with several processes,
+        the one the group agreed on (the first published: this one, if it is first)."""
+        where = self.directory / str(step)
+        named = io_errors.storage_error(err, f"write checkpoint {step} to", where, step)
+        return named if self._barrier is None else self._barrier.agreed(err, named, step)
+
     def _abandon(self) -> None:
-        with contextlib.suppress(Exception):
-            self._manager.close()
+        """Drops orbax's manager unclosed (closing waits for its threads, which may wait
+        for another process); the next use makes a new one."""
+        self._orbax = None
         if jax.process_index() == 0:
             remove_partial(self.directory)
-        with contextlib.suppress(Exception):
-            self._manager = self._new_manager()
 
     def close(self) -> None:
         self.wait()
@@ -215,7 +210,7 @@ class Checkpointer:
             restored = self._manager.restore(step, args=orbax_items.restore_state(target))["state"]
             problem = None
         except Exception as err:  # a truncated or unreadable file
-            restored, problem = None, _unreadable(step, self.directory, err, meta["tree"])
+            restored, problem = None, unreadable(step, self.directory, err, meta["tree"])
         # Agreed before the next collective: every process takes the same branch.
         if not _all_processes_ok(problem is None):
             return None, problem or f"checkpoint {step}: another process could not read it"
@@ -227,37 +222,6 @@ class Checkpointer:
                     f"{found[name]:#010x}, saved as {expected:#010x}"
                 )
         return restored, None
-
-
-def _unreadable(step: int, directory: Path, err: Exception, tree: dict) -> str:
-    """What could not be read: orbax names the array's storage path in its error
-    (``'path': 'params/fc/kernel/'``) among a page of TensorStore details."""
-    text = str(err)
-    name = next((n for n in tree if f"'{n}/'" in text), None)
-    reason = text.split(" See full TensorStore details")[0].splitlines()[0]
-    if name is None:
-        return f"checkpoint {step} in {directory} cannot be read: {reason}"
-    shape, dtype = tree[name]
-    return (
-        f"checkpoint {step} in {directory} cannot be read: {name} (saved as {tuple(shape)} "
-        f"{dtype}) does not decode from its stored bytes: {reason}"
-    )
-
-
-def check_compatible(meta: dict, target: dict, step: int, directory: Path) -> None:
-    """ConfigError naming the first array whose name, shape or dtype differs."""
-    saved, wanted = meta["tree"], describe(target)
-    for name in list(wanted) + [n for n in saved if n not in wanted]:
-        if saved.get(name) != wanted.get(name):
-
-            def show(entry):
-                return "absent" if entry is None else f"{tuple(entry[0])} {entry[1]}"
-
-            raise ConfigError(
-                f"checkpoint {step} in {directory} holds a different model: {name} is "
-                f"{show(saved.get(name))} there and {show(wanted.get(name))} in this one "
-                "(start afresh with --overwrite, or in another --run-dir)"
-            )
 
 
 def _all_processes_ok(ok: bool) -> bool:

@@ -43,12 +43,16 @@ _FAILED_PATH = re.compile(r'(?:Failed writing|Error writing|Failed to open)[^"]*
 
 class StorageError(Exception):
     """A write to the run directory failed (exit code 74). ``path``: what was written;
-    ``operation``: e.g. "write checkpoint 10"; ``step``: the training step, if known."""
+    ``operation``: e.g. "write checkpoint 10"; ``step``: the training step, if known;
+    ``process``: the process whose write failed, when the group agreed on it (a
+    checkpoint's outcome: ``outcome``)."""
 
-    def __init__(self, operation: str, path: Path | str | None, cause: str, step=None):
+    def __init__(self, operation: str, path, cause: str, step=None, *, process=None):
         self.operation, self.path, self.cause, self.step = operation, path, cause, step
+        self.process = process
         where = f" {path}" if path else ""
-        super().__init__(f"cannot {operation}{where}: {cause}")
+        who = "" if process is None else f"process {process} "
+        super().__init__(f"{who}cannot {operation}{where}: {cause}")
 
 
 def find(err: BaseException) -> tuple[int, str | None] | None:
@@ -141,7 +145,8 @@ class QuietStorageTracebacks(logging.Filter):
             return True
         err = record.exc_info[1] if record.exc_info else None
         text = record.getMessage()
-        return not ((err is not None and find(err)) or _OS_CODE.search(text))
+        named = isinstance(err, StorageError)  # the group's agreed failure, re-raised
+        return not (named or (err is not None and find(err)) or _OS_CODE.search(text))
 
 
 def quiet_orbax_storage_errors() -> None:

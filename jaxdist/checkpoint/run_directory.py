@@ -162,7 +162,17 @@ def check_writable(path: Path, flag: str, *, is_dir: bool) -> None:
         if not target.is_dir():
             raise ConfigError(f"{flag} {path}: {target} is a file, not a directory")
     if not os.access(target, os.W_OK | (os.X_OK if target.is_dir() else 0)):
+        if _read_only_mount(target):
+            raise ConfigError(f"{flag} {path}: {target} is on a read-only file system (mounted "
+                              "read-only: no user may write there)")  # fmt: skip
         raise ConfigError(f"{flag} {path}: {target} is not writable by this user")
+
+
+def _read_only_mount(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def create(

@@ -70,7 +70,7 @@ class Failure:
     step: int | None = None
     detect_s: float | None = None
     exit_code: int | None = None
-    reported_by: int = 0
+    reported_by: int | str = 0  # a process index, or "launcher"
     recovered: bool = False  # e.g. a damaged checkpoint skipped for an older one
     time: str = ""
     traceback: str | None = None  # an error raised in the user's code: where, in full
@@ -124,6 +124,23 @@ def process_state(pid: int) -> str | None:
         return "?"
 
 
+def process_gone(record: dict, host: str) -> bool:
+    """Whether the process of ``record`` is known to have ended: only on this host (a
+    process elsewhere cannot be seen; its silence alone then speaks)."""
+    if record.get("host") != host or "pid" not in record:
+        return False
+    state = process_state(record["pid"])
+    if state != "?":
+        return state in (None, "Z", "X")  # a zombie is dead
+    try:  # no /proc here: ask the kernel
+        os.kill(record["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 LAUNCHER_DIR = "JAXDIST_FAILURE_DIR"  # set by python -m jaxdist.launch for its ranks
 
 
@@ -137,6 +154,30 @@ def tell_launcher(failure: Failure) -> None:
     rank = os.environ.get("JAXDIST_PROCESS_ID", str(failure.reported_by))
     with contextlib.suppress(OSError):
         Path(folder, f"rank{rank}.json").write_text(json.dumps(asdict(failure)))
+
+
+# Two SIGTERMs this close are one request: a group-wide kill (systemd, a container
+# runtime, `kill -TERM <launcher> <ranks>`) gives each rank its own and the launcher's
+# forward of the same stop, milliseconds apart.
+SIGTERM_MERGE_S = 2.0
+RUN_DIR_FILE = "run_dir"  # in the launcher's folder: where the group's run writes
+
+
+def tell_launcher_run_dir(run_dir: Path | None) -> None:
+    """Tells ``python -m jaxdist.launch`` where the run writes (process 0, at set-up):
+    it records a death no process could report, and names the newest checkpoint after a
+    forced stop. Never raises."""
+    folder = os.environ.get(LAUNCHER_DIR)
+    if folder and run_dir is not None:
+        with contextlib.suppress(OSError):
+            Path(folder, RUN_DIR_FILE).write_text(str(Path(run_dir).absolute()))
+
+
+def launcher_run_dir(folder: Path) -> Path | None:
+    with contextlib.suppress(OSError):
+        text = Path(folder, RUN_DIR_FILE).read_text().strip()
+        return Path(text) if text else None
+    return None
 
 
 def from_launcher_dir(folder: Path) -> dict[int, dict]:

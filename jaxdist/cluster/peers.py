@@ -1,4 +1,4 @@
-"""Dead peers, named; and the one way out of a process that must stop now.
+"""Dead peers, named: which process of the group died, said by every survivor.
 
 When a process of the group dies, the others learn it in one of two ways (shared/
 jax-notes fact 7): a collective they are in fails at once with a Python error (gloo:
@@ -17,61 +17,50 @@ has been called. The handler takes the GIL, prints, and ``os._exit``s.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
 import socket
-import sys
-import threading
 import time
-from dataclasses import dataclass, field
 
 from jaxdist.cluster import failures
+from jaxdist.cluster.leaving import STATE as _STATE
+from jaxdist.cluster.leaving import announce_ending, exit_now, leave_after_peers
+from jaxdist.cluster.leaving import say as _say
 
 
-@dataclass
-class _State:
-    """Process-wide, as signal dispositions are: what the SIGABRT handler reads."""
-
-    watch: object | None = None  # jaxdist.health.watchdog.Watchdog, once the loop is watched
-    exiting: int | None = None  # a deliberate exit under way, with this code
-    last_word: str = ""  # said again if JAX's client aborts on the way out
-    joining: tuple[int, int] | None = None  # (process_id, count) while the group forms
-    index: int = 0
-    count: int = 1
-    coordinator: str = ""  # HOST:PORT of process 0's coordination service
-    handler: object = field(default=None, repr=False)  # the ctypes callback, kept alive
-
-
-_STATE = _State()
-
-
-def exit_now(code: int) -> None:
-    """Flushes and ends the process with ``code`` at once (no shutdown barrier, no
-    atexit); a SIGABRT from JAX's client while on the way out keeps ``code``.
-
-    Flushed from another thread, for at most a second: the caller may be a signal
-    handler or the watchdog's thread while the main thread holds a stream's lock (or is
-    blocked writing to a full pipe)."""
-    _STATE.exiting = code
-    with contextlib.suppress(Exception):
-        flusher = threading.Thread(target=_flush, daemon=True)
-        flusher.start()
-        flusher.join(timeout=1)
-    os._exit(code)
+def end_for_peer_ending(index: int, ending: dict) -> None:
+    """Process ``index`` ended on a failure it named: this one ends with its exit code and
+    its line (a full disk on one process ends every process with 74). The lowest-numbered
+    survivor records it, unless the process that failed was process 0 (it did)."""
+    code = int(ending["code"])
+    line = f"{ending['message']} (process {index} ended on it: exit {code}); ending this process"
+    announce_ending(code, ending.get("cause", "error"), line)
+    _say(line)
+    record = _record_of(index)
+    failure = failures.Failure(
+        cause=ending.get("cause", "error"),
+        message=ending["message"],
+        process=index,
+        host=record.get("host", ""),
+        step=record.get("step"),
+        exit_code=code,
+        reported_by=_STATE.index,
+    )
+    watchdog = _STATE.watch
+    lowest = min(set(range(_STATE.count)) - {index})
+    if index != 0 and _STATE.index == lowest and watchdog is not None:
+        failures.record(watchdog.run_dir, failure)
+    failures.tell_launcher(failure)
+    leave_after_peers()
+    exit_now(code)
 
 
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-
-
-def expect_exit(code: int, last_word: str = "") -> None:
-    """A deliberate exit with ``code`` is under way: an abort meanwhile keeps the code,
-    and says ``last_word`` again after JAX's trace."""
-    _STATE.exiting, _STATE.last_word = code, last_word
+def _ending_of(index: int | None) -> dict | None:
+    """What process ``index`` said it ended on, as this process's watchdog last read it
+    (kept: process 0's store goes with it)."""
+    watchdog = _STATE.watch
+    return None if watchdog is None or index is None else watchdog.endings.get(index)
 
 
 def watch(watchdog) -> None:
@@ -162,9 +151,22 @@ def on_collective_error(err: BaseException) -> None:
     end_for_dead_peer(culprit, why)
 
 
+def name_dead_peer_or_return(wait_s: float = 0.0) -> None:
+    """Ends this process naming a peer that is dead (exit 76), if one is; else returns."""
+    if _STATE.count > 1:
+        culprit, why = name_dead(wait_s)
+        if culprit is not None:
+            end_for_dead_peer(culprit, why)
+
+
 def end_for_dead_peer(culprit: int | None, why: str) -> None:
-    _STATE.exiting = failures.PEER_DIED
-    _say(f"{why}; ending this process")
+    ending = _ending_of(culprit)
+    if ending is not None:  # it said why before it went
+        end_for_peer_ending(culprit, ending)
+    line = f"{why}; ending this process"
+    # said again, last, should JAX's client abort (with its C++ trace) on the way out
+    _STATE.exiting, _STATE.last_word = failures.PEER_DIED, line
+    _say(line)
     survivors = set(range(_STATE.count)) - {culprit}
     watchdog = _STATE.watch
     record = _record_of(culprit)
@@ -242,9 +244,3 @@ def _reachable(address: str) -> bool:
             return True
     except OSError:
         return False
-
-
-def _say(text: str) -> None:
-    prefix = f"[rank {_STATE.index}] " if _STATE.count > 1 else ""
-    with contextlib.suppress(Exception):
-        os.write(2, f"{prefix}jaxdist: error: {text}\n".encode())

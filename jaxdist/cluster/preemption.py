@@ -28,7 +28,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from jaxdist.cluster import failures, shutdown, store
+from jaxdist.cluster import failures, peers, shutdown, store
 
 STOP_KEY = "jaxdist/stop_after_step"
 MARGIN_STEPS = 3
@@ -45,6 +45,7 @@ class StopFlag:
         self._paused = 0  # inside `busy()`: evaluating or saving, not stepping
         self._poller: ThreadPoolExecutor | None = None  # reads the store off the loop's path
         self._poll: Future | None = None  # started at the previous step
+        self._sigterm_at: float | None = None  # the first SIGTERM (one process, no group)
         signal.signal(signal.SIGUSR1, self._set)
         if shutdown.sigterm_watched():  # in a group: the watcher thread calls us first
             shutdown.stop_on_sigterm(self._group_sigterm)
@@ -55,8 +56,12 @@ class StopFlag:
         self.signal_name = self.signal_name or signal.Signals(signum).name
 
     def _sigterm(self, signum, frame) -> None:
-        if self.signal_name == "SIGTERM":  # the second one: do as asked, now
+        now = time.monotonic()
+        if self._sigterm_at is not None and now - self._sigterm_at < shutdown.MERGE_S:
+            return  # the same request (a group-wide kill: the launcher's forward)
+        if self._sigterm_at is not None:  # a second one, seconds later: do as asked, now
             os._exit(failures.TERMINATED)
+        self._sigterm_at = now
         self._set(signum, frame)
 
     def _group_sigterm(self) -> None:
@@ -74,6 +79,7 @@ class StopFlag:
                 continue
             patience_s = max(2.0, 3 * self._longest_gap_s)
             if time.monotonic() - self._last_poll > patience_s:
+                peers.name_dead_peer_or_return(wait_s=1.0)  # a dead peer: named, exit 76
                 print(
                     f"jaxdist: SIGTERM: the training loop made no step in {patience_s:.0f}s "
                     "(a peer process probably died); ending now",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import jax
 
-from jaxdist.cluster import cpu_backend, environment, failures, peers, shutdown, store
+from jaxdist.cluster import cpu_backend, environment, failures, leaving, peers, shutdown, store
 from jaxdist.cluster.environment import ClusterSpec
 from jaxdist.cluster.service import claim_process_zero, service_address
 from jaxdist.errors import JaxdistError
@@ -90,7 +90,7 @@ def _join(
             file=sys.stderr,
             flush=True,
         )
-        peers.exit_now(failures.PEER_DIED)  # the group did not form
+        leaving.exit_now(failures.PEER_DIED)  # the group did not form
 
     watchdog = threading.Timer(init_timeout, give_up)
     watchdog.daemon = True

@@ -23,7 +23,7 @@ import socket
 import sys
 import tempfile
 
-from jaxdist.cluster import failures, peers
+from jaxdist.cluster import failures, leaving
 from jaxdist.cluster.environment import ClusterSpec
 
 _held: list = []  # the claim's lock file, open for the life of the process
@@ -61,10 +61,10 @@ def claim_process_zero(spec: ClusterSpec, bind_address: str) -> None:
         "Two processes were probably given process id 0 (RANK, --process-id, "
         "JAXDIST_PROCESS_ID); the other one is being stopped too"
     )
-    peers.expect_exit(failures.BAD_INPUT, last_word=message)
+    leaving.expect_exit(failures.BAD_INPUT, last_word=message)
     print(f"[rank {spec.process_id}] jaxdist: error: {message}", file=sys.stderr, flush=True)
     _turn_the_other_away(spec)
-    peers.exit_now(failures.BAD_INPUT)
+    leaving.exit_now(failures.BAD_INPUT)
 
 
 def _not_local(host: str, port: str) -> str | None:

@@ -18,7 +18,7 @@ import traceback
 
 import jax
 
-from jaxdist.cluster import failures, peers, store
+from jaxdist.cluster import failures, leaving, peers, store
 
 
 def exit_on_sigterm() -> None:
@@ -49,19 +49,29 @@ def _watch_signals(read_fd: int, previous_fd: int) -> None:
             _SIGTERM_STOP.received()
 
 
+MERGE_S = failures.SIGTERM_MERGE_S
+
+
 class _SigtermStop:
     """What SIGTERM does once the group has formed: exit 143 at once, unless a training
     loop asked for a clean stop (``stop_on_sigterm``): then the first SIGTERM calls its
-    callback and only a second one exits. Process-wide, as signal handlers are."""
+    callback and only a second one, ``MERGE_S`` or more later, exits. A peer found dead
+    on the first is named (exit 76) instead: a launcher ending the group after a death
+    sends SIGTERM within a second of it. Process-wide, as signal handlers are."""
 
     def __init__(self):
         self.callback = None
-        self.count = 0
+        self.first: float | None = None
 
     def received(self) -> None:
-        self.count += 1
-        if self.callback is None or self.count > 1:
-            peers.exit_now(failures.TERMINATED)  # 143, as a shell reports SIGTERM
+        now = time.monotonic()
+        if leaving.exiting() or (self.first is not None and now - self.first < MERGE_S):
+            return  # on its way out already; or the same request
+        again, self.first = self.first is not None, self.first or now
+        if not again:
+            peers.name_dead_peer_or_return()
+        if self.callback is None or again:
+            leaving.exit_now(failures.TERMINATED)  # 143, as a shell reports SIGTERM
         self.callback()
 
 
@@ -96,7 +106,7 @@ def exit_fast_on_uncaught_error(process_id: int) -> None:
         print(f"[rank {process_id}] {text}", file=sys.stderr, flush=True)
         if kind is KeyboardInterrupt:
             previous(kind, value, tb)
-        peers.exit_now(failures.FAILED)
+        leaving.exit_now(failures.FAILED)
 
     sys.excepthook = hook
     _exit_fast_on_sys_exit()
@@ -129,7 +139,8 @@ def exit_now(code: int) -> None:
     if code and jax.distributed.is_initialized() and jax.process_count() > 1:
         if code == failures.PREEMPTED:
             _leave_together()
-        peers.exit_now(code)
+        leaving.leave_after_peers()  # a failure it announced: the others say theirs first
+        leaving.exit_now(code)
     sys.stdout.flush()
     sys.stderr.flush()
     if code == failures.STORAGE:
@@ -137,7 +148,7 @@ def exit_now(code: int) -> None:
         # shutdown under them prints their errors (asyncio's closed loop, sys.meta_path is
         # None) after jaxdist's one line. Nothing is left to flush: leave at once.
         os._exit(code)
-    peers.expect_exit(code)  # JAX's client aborting during a normal shutdown keeps it
+    leaving.expect_exit(code)  # JAX's client aborting during a normal shutdown keeps it
     sys.exit(code)
 
 
@@ -146,7 +157,7 @@ def _leave_together(timeout_s: float = 30) -> None:
     reporting at different moments. Process 0 hosts the coordination service: leaving
     first would kill it under the others, whose clients then abort mid-report. So all
     meet at a barrier of the store, and process 0 leaves last."""
-    peers.expect_exit(failures.PREEMPTED)  # a client abort on the way out keeps 75
+    leaving.expect_exit(failures.PREEMPTED)  # a client abort on the way out keeps 75
     try:
         store.barrier("jaxdist/exit/preempted", timeout_s)
     except Exception:  # a peer already gone: nothing to wait for

@@ -7,9 +7,10 @@ the trainer wires all of it in ``jaxdist.train.run_health``.
 """
 
 from jaxdist.health.agreement import MismatchError
+from jaxdist.health.deadlines import Deadlines
 from jaxdist.health.fault_injection import Faults
 from jaxdist.health.replica_check import ReplicaCheck, ReplicaDivergenceError
-from jaxdist.health.watchdog import Deadlines, Watchdog
+from jaxdist.health.watchdog import Watchdog
 
 __all__ = [
     "Deadlines",

@@ -19,7 +19,7 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from jaxdist.cluster import failures, peers, store
+from jaxdist.cluster import failures, leaving, peers, store
 from jaxdist.health.watchdog import Watchdog, where
 
 STACKS = "jaxdist/health/stacks/"
@@ -35,6 +35,7 @@ def handle(watch: Watchdog, declared: dict) -> None:
     watchdog thread."""
     if declared.get("dead"):
         peers.end_for_dead_peer(declared["silent"], declared["reason"])
+    leaving.expect_exit(failures.HANG)  # a launcher's SIGTERM meanwhile changes nothing
     silent = frozen_peers(watch)  # now: from here on no process beats any more
     mine = thread_stacks()
     prefix = f"[rank {watch.index}] " if watch.count > 1 else ""
@@ -47,7 +48,7 @@ def handle(watch: Watchdog, declared: dict) -> None:
         report(watch, declared, mine, silent)
     elif watch.count > 1:
         _wait_for(watch, REPORTED, COLLECT_S + 5)
-    peers.exit_now(failures.HANG)
+    leaving.exit_now(failures.HANG)
 
 
 def frozen_peers(watch: Watchdog) -> dict[int, float]:

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.checkpoint.checkpointer import fingerprint
+from jaxdist.checkpoint.verify import fingerprint
 from jaxdist.parallel.host import host_value
 
 

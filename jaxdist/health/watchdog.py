@@ -13,7 +13,10 @@ writes, no I/O. A daemon thread (``jaxdist-watchdog``) does the rest once per po
   for set-up, the steps that compile and checkpoint saves), or when a peer's beat has not
   moved for ``silent_s`` (its whole process is frozen: SIGSTOP, a stuck host), or when
   another process declared one (``jaxdist/health/hang``);
-* then ``jaxdist.health.hang_report`` dumps stacks, writes ``RUN_DIR/hang-report.txt`` and exits 77.
+* then ``jaxdist.health.hang_report`` dumps stacks, writes ``RUN_DIR/hang-report.txt`` and exits 77;
+* reads the failures peers said they ended on (``jaxdist/ending/<i>``, e.g. a full disk):
+  unless this process ends the same way by itself within a second, it ends with that
+  process's exit code and line (``on_peer_ending``), not as a death to be timed out.
 
 A frozen process cannot report itself; it is named by the others. One process without a
 group has no store: its own deadlines still apply.
@@ -32,31 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxdist.cluster import store
-from jaxdist.cluster.failures import hostname, process_state
+from jaxdist.cluster.failures import hostname, process_gone
+from jaxdist.cluster.leaving import ENDING
+from jaxdist.health.deadlines import AUTO_FACTOR, AUTO_FLOOR_S, SLOW_PHASES, WARMUP_STEPS, Deadlines
 
 PROGRESS = "jaxdist/health/progress/"
 HANG_KEY = "jaxdist/health/hang"
-SLOW_PHASES = ("setup", "save")  # always on the slow deadline
-AUTO_FLOOR_S = 300.0  # --step-timeout 0 (auto): max(5 minutes, 20 x the median step)
-AUTO_FACTOR = 20
-WARMUP_STEPS = 5  # completions not in the median (compilation, caches warming up)
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    step_s: float = 0.0  # 0: auto
-    slow_s: float = 1800.0
-    silent_s: float = 50.0  # a peer that has not reported for this long is frozen
-
-    def describe(self) -> str:
-        step = f"{self.step_s:g}s" if self.step_s else (
-            f"auto (max({AUTO_FLOOR_S:g}s, {AUTO_FACTOR} x the median step time after "
-            f"{WARMUP_STEPS} steps))"
-        )  # fmt: skip
-        return (
-            f"--step-timeout {step}, --slow-phase-timeout {self.slow_s:g}s (set-up, "
-            f"compilation, checkpoints); a process silent for {self.silent_s:g}s is frozen"
-        )
 
 
 @dataclass(frozen=True)
@@ -79,6 +63,7 @@ class Watchdog:
         *,
         poll_s: float = 1.0,
         on_hang=None,
+        on_peer_ending=None,
     ):
         self.index, self.count = process_index, process_count
         self.deadlines = deadlines
@@ -86,6 +71,10 @@ class Watchdog:
         self.poll_s = min(poll_s, max(0.05, (deadlines.step_s or AUTO_FLOOR_S) / 5))
         # (watchdog, declaration) -> never returns: jaxdist.health.hang_report.handle
         self.on_hang = on_hang
+        # (index, ending) -> never returns: jaxdist.cluster.peers.end_for_peer_ending
+        self.on_peer_ending = on_peer_ending
+        self.endings: dict[int, dict] = {}  # what peers said they ended on, kept
+        self._ending_seen: dict[int, float] = {}  # when this process first read each
         self.run_dir: Path | None = None  # where the report goes, once known
         # Background writes (a checkpoint, the sinks' files): () -> (phase, step, seconds,
         # what) or None. A file system that stops answering blocks them, not the loop.
@@ -165,11 +154,31 @@ class Watchdog:
     def _run(self) -> None:
         self._publish()  # at once: the peers know this process's host and pid from the start
         while not self._stop.wait(self.poll_s):
+            ended = self._peer_ended()  # first: a peer gone after saying why is not "dead"
             declared = self._check()
             if declared is not None:
                 if self.on_hang is not None:
                     self.on_hang(self, declared)  # exits the process
                 return
+            if ended is not None and self.on_peer_ending is not None:
+                self.on_peer_ending(*ended)  # exits the process
+
+    def _peer_ended(self) -> tuple[int, dict] | None:
+        """(index, ending) of a peer that ended on a named failure a while ago: a grace
+        (a second at least) lets this process reach the same ending by itself first."""
+        if self.count == 1:
+            return None
+        found = self.kv(store.get_dir, ENDING) or {}
+        now = time.monotonic()
+        for value in found.values():
+            ending = json.loads(value)
+            index = ending["process"]
+            if index != self.index:
+                self.endings[index] = ending
+                self._ending_seen.setdefault(index, now)
+        grace_s = max(1.0, 2 * self.poll_s)
+        due = [i for i, seen in self._ending_seen.items() if now - seen >= grace_s]
+        return (min(due), self.endings[min(due)]) if due else None
 
     def _check(self) -> dict | None:
         self._publish()
@@ -279,20 +288,3 @@ class Watchdog:
 def where(record: dict) -> str:
     """A process's host and pid, from its published record."""
     return f"host {record.get('host', '?')}, pid {record.get('pid', '?')}"
-
-
-def process_gone(record: dict, host: str) -> bool:
-    """Whether the process of ``record`` is known to have ended: only on this host (a
-    process elsewhere cannot be seen; its silence alone then speaks)."""
-    if record.get("host") != host or "pid" not in record:
-        return False
-    state = process_state(record["pid"])
-    if state != "?":
-        return state in (None, "Z", "X")  # a zombie is dead
-    try:  # no /proc here: ask the kernel
-        os.kill(record["pid"], 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False

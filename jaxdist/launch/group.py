@@ -154,19 +154,22 @@ class Group:
     def end(self, grace: float, *, at_once: bool = False) -> None:
         """SIGTERM to every rank's process group, SIGKILL after ``grace`` s (also to the
         children a rank that has exited left behind); then dismisses the guard.
-        ``at_once`` (a rank failed): SIGTERM twice. The trainer takes a first SIGTERM as a
-        request to stop cleanly and save, which cannot succeed with a peer gone, and a
-        second as "exit now" (``cluster.preemption``); 0.2 s apart, so that they do not merge
-        into one pending signal. Once only: a stop signal's handling ends the group first."""
+        ``at_once`` (a rank failed, or a stop that could not finish): SIGTERM twice. The
+        trainer takes a first SIGTERM as a request to stop cleanly and save (or, a peer
+        being dead, names it and exits 76), and a second as "exit now"; two within
+        ``failures.SIGTERM_MERGE_S`` are one request (a group-wide kill), so the second comes
+        after it. Once only: a stop signal's handling ends the group first. A rank's
+        death that no process recorded is recorded here (``record_unreported``)."""
         if self.ended:
             return
         self.ended = True
+        died = [e for e in self.done if e.returncode < 0]  # by a signal, before ours
         self.send(signal.SIGTERM)
         for proc in self.procs:  # a stopped (frozen) rank would take SIGTERM only once resumed
             if proc.poll() is None and _stopped(proc.pid):
                 with contextlib.suppress(OSError):
                     os.killpg(proc.pid, signal.SIGKILL)
-        if at_once and not self.wait_exited(0.2):
+        if at_once and not self.wait_exited(failures.SIGTERM_MERGE_S + 0.3):
             self.send(signal.SIGTERM)
         self.wait_exited(grace)
         self.send(signal.SIGKILL)
@@ -174,11 +177,45 @@ class Group:
         for thread in self.threads:
             thread.join(timeout=1)  # the last lines of output
         self._tell_guard("done")
+        self.record_unreported(died)
         shutil.rmtree(self.failure_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.guard.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.guard.wait(timeout=KILL_WAIT_S)
+
+    def record_unreported(self, died: list[Exit]) -> None:
+        """A rank killed by a signal (``kill -9``, the OOM killer) when no process could
+        say so (process 0's death takes the coordination service, and the survivors may
+        be ended first): its ``failures.jsonl`` record, written by the launcher."""
+        folder = Path(self.failure_dir)
+        run_dir = failures.launcher_run_dir(folder)
+        if not died or run_dir is None or failures.from_launcher_dir(folder):
+            return
+        first = died[0]
+        failure = failures.Failure(
+            cause="dead_peer",
+            message=f"process {first.global_rank} died: {first} (recorded by the launcher: "
+            "no process of the group could)",
+            process=first.global_rank,
+            host=failures.hostname(),
+            exit_code=first.code,
+            reported_by="launcher",
+        )
+        failures.record(run_dir, failure)
+        self.out.say(f"recorded in {run_dir / failures.FILE}: {failure.message}")
+
+    def newest_checkpoint(self) -> str:
+        """ "the newest checkpoint: step N in DIR" (or that there is none), for the line
+        that ends a forced stop; "" when the run's directory is not known."""
+        run_dir = failures.launcher_run_dir(Path(self.failure_dir))
+        if run_dir is None:
+            return ""
+        folder = run_dir / "checkpoints"
+        steps = sorted(int(p.name) for p in folder.glob("*") if p.name.isdigit())
+        if not steps:
+            return f"no checkpoint in {folder}"
+        return f"the newest checkpoint: step {steps[-1]} in {folder}"
 
     def culprit(self, first: Exit | Elsewhere) -> str:
         """Who is to blame, when it is not ``first``: a rank that is stopped (SIGSTOP: it
@@ -243,6 +280,10 @@ def run(
         raise
     except KeyboardInterrupt:
         out.say("interrupted: ending all processes")
+        group.end(grace, at_once=True)
+        saved = group.newest_checkpoint()  # whether the ranks saved before they were ended
+        if saved:
+            out.say(saved)
         raise
     except TimeoutError:
         out.say(f"not finished after {timeout:g}s: ending all processes")

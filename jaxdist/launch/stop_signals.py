@@ -80,7 +80,10 @@ def stop(group, request: StopRequested, out, *, grace: float, stop_grace: float)
     # one that cannot (stuck in a collective, frozen).
     group.end(grace, at_once=True)
     also = f"; {_ranks(saved)} saved a checkpoint and exited {failures.PREEMPTED}" if saved else ""
-    out.say(f"stopped by {name}: killed {_ranks(running)}: {why}{also}; exit {failures.TERMINATED}")
+    newest = group.newest_checkpoint()
+    newest = f"; {newest}" if newest else ""
+    out.say(f"stopped by {name}: killed {_ranks(running)}: {why}{also}{newest}; exit "
+            f"{failures.TERMINATED}")  # fmt: skip
     return failures.TERMINATED
 
 

@@ -109,11 +109,11 @@ class SavedState:
         one = jax.tree.unflatten(self.treedef, [arrays[name] for name in self.names])
         return self._expand(one) if self.layout.copies else one
 
-    def checkpointer(self, directory, keep: int) -> Checkpointer:
+    def checkpointer(self, directory, keep: int, deadline_s: float = 1800.0) -> Checkpointer:
         """The one that saves into ``directory`` (saves there wait for each other)."""
         key = Path(directory).absolute()
         if key not in self._checkpointers:
-            self._checkpointers[key] = Checkpointer(key, keep=keep)
+            self._checkpointers[key] = Checkpointer(key, keep=keep, deadline_s=deadline_s)
         return self._checkpointers[key]
 
     def restore(self, directory, step: int | None):

@@ -165,14 +165,16 @@ class Parallel:
         returns True when the update was skipped (``nan_policy="skip"``)."""
         return step_checks.check_metrics(metrics, step, self._source.leaf_paths, self.nan_policy)
 
-    def save(self, state: TrainState, directory, *, extra: dict | None = None, keep: int = 3):
+    def save(self, state: TrainState, directory, *, extra=None, keep=3, deadline_s=1800.0):
         """Starts an asynchronous checkpoint of ``state`` as ``directory/<state.step>``
         (every process calls it; each writes its own shards); returns the seconds it
         blocked. ``extra``: JSON-able values kept with it (the trainer: data position,
-        config). The newest ``keep`` are kept. ``wait_for_saves()`` before exit."""
+        config). The newest ``keep`` are kept. ``wait_for_saves()`` before exit. A save
+        fails on every process or none, none waiting past ``deadline_s`` (+ 60 s)."""
         state = packed.unpack(state)
         step = int(host_value(state.step).reshape(-1)[0])
-        return self._saved.checkpointer(directory, keep).save(step, self._saved.named(state), extra)
+        saver = self._saved.checkpointer(directory, keep, deadline_s)
+        return saver.save(step, self._saved.named(state), extra)
 
     def restore(self, directory, *, step: int | None = None):
         """``(state, extra)`` from the newest checkpoint in ``directory`` that passes its

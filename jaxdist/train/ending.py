@@ -18,7 +18,7 @@ import jax
 
 from jaxdist.checkpoint import io_errors
 from jaxdist.checkpoint.checkpointer import CorruptCheckpointError
-from jaxdist.cluster import failures
+from jaxdist.cluster import failures, leaving
 from jaxdist.cluster.preemption import Preempted
 from jaxdist.errors import JaxdistError, ModelError
 from jaxdist.health.agreement import MismatchError
@@ -69,10 +69,19 @@ def run(train_fn, argv: list[str] | None, clock_start: float) -> int:
     return failures.OK
 
 
+def code_of(err: BaseException) -> int | None:
+    """The exit code ``err`` ends the command with, or None (not one of ``ENDINGS``)."""
+    if isinstance(err, Exception) and io_errors.storage_error(err) is not None:
+        return failures.STORAGE
+    return next((failures.CODES[c] for kind, c, _ in ENDINGS if isinstance(err, kind)), None)
+
+
 def end(cause: str, err: Exception, is_error: bool) -> int:
     code = failures.CODES[cause]
     label = "error: " if is_error else ""
     trace, where = user_traceback(err)
+    if cause != "preempted":  # a stop is agreed by all; a failure is told to the others
+        leaving.announce_ending(code, cause, f"{err}{where}")
     print(f"{rank_prefix()}jaxdist: {label}{err}{where}", file=sys.stderr, flush=True)
     run_dir = getattr(err, "run_dir", None)
     step = getattr(err, "step", None)

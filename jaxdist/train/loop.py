@@ -172,7 +172,8 @@ def save(run: Run, state, step: int, sinks: Sinks, *, wait: bool, checked_s: flo
         checkpoints = run.run_dir / run_directory.CHECKPOINTS
         for _ in range(2):  # again if what failed was an earlier checkpoint's write
             try:
-                run.dp.save(state, checkpoints, extra=extra, keep=run.config.train.keep)
+                keep, deadline_s = run.config.train.keep, run.config.dist.slow_phase_timeout
+                run.dp.save(state, checkpoints, extra=extra, keep=keep, deadline_s=deadline_s)
                 if wait:
                     run.dp.wait_for_saves()
                 break

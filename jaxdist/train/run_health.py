@@ -11,9 +11,10 @@ from functools import partial
 import jaxdist
 from jaxdist.cluster import peers
 from jaxdist.health import agreement, hang_report
+from jaxdist.health.deadlines import Deadlines
 from jaxdist.health.fault_injection import Faults
 from jaxdist.health.replica_check import ReplicaCheck
-from jaxdist.health.watchdog import Deadlines, Watchdog
+from jaxdist.health.watchdog import Watchdog
 from jaxdist.train.config import DistConfig
 
 
@@ -33,7 +34,11 @@ class RunHealth:
         self.watch: Watchdog | NullWatch = NullWatch()
         if self.enabled:
             self.watch = Watchdog(
-                info.process_index, info.process_count, self.deadlines, on_hang=hang_report.handle
+                info.process_index,
+                info.process_count,
+                self.deadlines,
+                on_hang=hang_report.handle,
+                on_peer_ending=peers.end_for_peer_ending,
             ).start()
             peers.watch(self.watch)
         self._replicas: ReplicaCheck | None = None

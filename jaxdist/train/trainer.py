@@ -14,11 +14,9 @@ import jax
 import jaxdist
 from jaxdist import data as data_lib
 from jaxdist.checkpoint import lock, run_directory
-from jaxdist.cluster import peers
+from jaxdist.cluster import failures, leaving, peers
 from jaxdist.cluster.preemption import Preempted, StopFlag
 from jaxdist.cluster.shutdown import exit_now
-from jaxdist.health.agreement import MismatchError
-from jaxdist.health.replica_check import ReplicaDivergenceError
 from jaxdist.losses import default_eval
 from jaxdist.parallel import axis_names, strategies
 from jaxdist.parallel.device_mesh import batch_shards, parse_mesh
@@ -33,9 +31,6 @@ from jaxdist.train.optim import effective_lr, make_optimizer, make_schedule
 from jaxdist.train.rules_file import load_rules
 from jaxdist.train.run_health import RunHealth
 from jaxdist.train.run_sinks import announce, make_sinks, prepare_sinks
-
-# Seen alike by every process (bad input, a bad batch, a non-finite step): each reports it.
-STEP_ERRORS = (jaxdist.JaxdistError, jaxdist.NonFiniteError, ReplicaDivergenceError, MismatchError)
 
 
 def check_batch(global_batch_size: int, num_devices: int, grad_accum: int) -> int:
@@ -81,6 +76,8 @@ def setup(config: Config, write: bool = False) -> Run:
         resume.use_compile_cache(cfg.compile_cache, info.platform)
         run_dir, plan = resume.prepare_run_dir(config, write)
         health.watch.run_dir = run_dir
+        if info.process_index == 0:  # a launcher records a death no process could
+            failures.tell_launcher_run_dir(run_dir)
         with ending.in_run_dir(run_dir):
             # the same config, versions and counts on every process
             health.agree_setup(config_lib.to_dict(config), info)
@@ -265,11 +262,16 @@ def _run(run: Run, config: Config, quiet: bool, clock_start: float) -> Run:
             stopped_at = loop(run, sinks)
         finish(run, sinks, stopped_at)
     except BaseException as err:
+        # The run's own ending (seen alike by every process: bad input, a non-finite step,
+        # a checkpoint's agreed failure...), or else a failed collective: a peer died?
+        code = ending.code_of(err)
+        if code is not None:
+            leaving.expect_exit(code)  # a peer's exit or a SIGTERM meanwhile changes nothing
         run.batches.close()
         run.stop.close()
         sinks.close(failing=True)
         multi = run.info.process_count > 1
-        if multi and isinstance(err, Exception) and not isinstance(err, STEP_ERRORS):
+        if multi and isinstance(err, Exception) and code is None:
             # A collective failed: a peer died. Name it and exit now; JAX's shutdown
             # barrier would otherwise wait a whole heartbeat timeout and then abort.
             lock.release(run.run_dir)  # that exit skips every finally

@@ -1,0 +1,113 @@
+"""Faults where processes meet, each a real run of 2 processes under ``python -m
+jaxdist.launch``: ``kill -9`` of process 0 (whose death takes the coordination service)
+or of process 1, three times each, is named by the survivor in its jaxdist line (the
+last word even if JAX's client aborts after it), recorded in ``failures.jsonl``, and the
+restarted group resumes from the newest checkpoint; SIGTERM to the launcher and every
+rank in one ``kill`` (a group-wide stop) saves at one step on every rank and exits 75,
+and the same command resumes with no step repeated or lost; a read-only mount says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from group_helpers import MLP, PATIENCE_S
+from helpers import failures_of
+
+
+def train(run_dir: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        "--nproc", "2", "--cpu-devices-per-proc", "2", *extra, "--",
+        sys.executable, "-m", "jaxdist.train", *MLP, "--steps", str(steps), "--log-every", "1",
+        "--global-batch-size", "16", "--checkpoint-every", "10", "--run-dir", str(run_dir),
+        "--heartbeat-timeout", "30",
+    ]  # fmt: skip
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return []
+    return [json.loads(x)["step"] for x in metrics.read_text().splitlines() if x.strip()]
+
+
+def newest_checkpoint(run_dir: Path) -> int:
+    return max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_killed_process_is_named_and_recorded_every_time_and_the_group_resumes(
+    tmp_path, launcher, victim
+):
+    for attempt in range(3):
+        run_dir = tmp_path / f"run{attempt}"
+        run = launcher(*train(run_dir, 60, "--max-restarts", "1"))
+        saved = run_dir / "checkpoints" / "10"  # a checkpoint to resume from, complete
+        run.wait_for(lambda d=run_dir, s=saved: s.is_dir() and len(logged_steps(d)) >= 14,
+                     PATIENCE_S, "step 10's checkpoint and 14 steps")  # fmt: skip
+        os.kill(run.ranks()[victim], signal.SIGKILL)
+        assert run.proc.wait(timeout=PATIENCE_S) == 0, run.text()[-3000:]  # restarted, done
+        text = run.text()
+        survivor = 1 - victim
+        said = re.findall(rf"\[rank {survivor}\] jaxdist: error: process {victim} \(.*", text)
+        recorded = [f for f in failures_of(run_dir) if f["cause"] == "dead_peer"]
+        assert recorded and recorded[0]["process"] == victim, (attempt, recorded, text[-3000:])
+        # the survivor named it, or (its peer's death ended it first) the launcher recorded it
+        assert said or recorded[0]["reported_by"] == "launcher", (attempt, text[-3000:])
+        if said:  # and its line is its last word, whatever JAX's client printed before
+            before = text.split("[launch] restart 1/1")[0].splitlines()
+            mine = [x for x in before if x.startswith(f"[rank {survivor}] ")]
+            assert mine[-1].startswith(f"[rank {survivor}] jaxdist: error: process {victim}"), mine[
+                -5:
+            ]
+        assert "[launch] restart 1/1" in text
+        resumed = re.search(r"resumed from the checkpoint of step (\d+)", text)
+        assert resumed and int(resumed.group(1)) >= 10, text[-3000:]
+        assert logged_steps(run_dir)[-1] == 60
+
+
+def test_sigterm_to_the_launcher_and_every_rank_at_once_saves_and_resumes(tmp_path, launcher):
+    """systemd's KillMode=control-group: each rank gets its own SIGTERM and the launcher's
+    forward of it; the two are one request."""
+    run_dir = tmp_path / "run"
+    run = launcher(*train(run_dir, 200, "--grace", "30"))
+    run.wait_for(lambda: len(logged_steps(run_dir)) >= 5, PATIENCE_S, "5 logged steps")
+    for pid in [run.proc.pid, *run.ranks().values()]:  # one kill, the whole group
+        os.kill(pid, signal.SIGTERM)
+    assert run.proc.wait(timeout=PATIENCE_S) == 75, run.text()[-3000:]
+    text = run.text()
+    stops = re.findall(r"stopped after step (\d+) on SIGTERM to process \d; checkpoint saved", text)
+    assert len(stops) == 2 and stops[0] == stops[1], text[-3000:]
+    stop = int(stops[0])
+    assert newest_checkpoint(run_dir) == stop and logged_steps(run_dir)[-1] == stop
+    assert "the newest checkpoint: step" not in text or f"step {stop}" in text
+    (tmp_path / "launch.log").rename(tmp_path / "stopped.log")
+    again = launcher(*train(run_dir, stop + 6))
+    assert again.proc.wait(timeout=PATIENCE_S) == 0, again.text()[-3000:]
+    assert f"resumed from the checkpoint of step {stop}" in again.text()
+    assert logged_steps(run_dir) == list(range(1, stop + 7))  # none repeated, none lost
+
+
+def test_a_read_only_mount_says_so_and_a_permission_says_the_user(tmp_path, monkeypatch):
+    """The cause of an unwritable run directory: the mount (statvfs's ST_RDONLY), not the
+    user; the user where the mount is writable."""
+    from types import SimpleNamespace
+
+    from jaxdist.checkpoint import run_directory
+    from jaxdist.errors import ConfigError
+
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)  # as on a read-only mount
+    real = os.statvfs
+    mounted = {"flag": os.ST_RDONLY}
+    monkeypatch.setattr(os, "statvfs", lambda p: SimpleNamespace(f_flag=mounted["flag"]))
+    with pytest.raises(ConfigError, match="is on a read-only file system"):
+        run_directory.check_writable(tmp_path / "run", "--run-dir", is_dir=True)
+    mounted["flag"] = real(tmp_path).f_flag & ~os.ST_RDONLY
+    with pytest.raises(ConfigError, match="is not writable by this user"):
+        run_directory.check_writable(tmp_path / "run", "--run-dir", is_dir=True)
