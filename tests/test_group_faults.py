@@ -12,10 +12,13 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from test_storage_faults import frozen_capable_fs
 
 from group_helpers import MLP, PATIENCE_S
 from helpers import failures_of
@@ -92,6 +95,39 @@ def test_sigterm_to_the_launcher_and_every_rank_at_once_saves_and_resumes(tmp_pa
     assert again.proc.wait(timeout=PATIENCE_S) == 0, again.text()[-3000:]
     assert f"resumed from the checkpoint of step {stop}" in again.text()
     assert logged_steps(run_dir) == list(range(1, stop + 7))  # none repeated, none lost
+
+
+def test_a_frozen_file_system_is_a_hang_the_launcher_does_not_wait_out(tmp_path, launcher):
+    """fsfreeze of the run directory's file system mid-run: each rank declares the hang
+    at the save deadline and exits 77, but threads blocked in the frozen writes keep both
+    from ending (no signal ends them). The launcher counts them as exited (not waited
+    for), restarts, and the group resumes once the file system is thawed; the record the
+    rank could not write, the launcher writes."""
+    with frozen_capable_fs(tmp_path / "mnt", tmp_path / "fs.img") as mnt:
+        run_dir = mnt / "run"
+        args = train(run_dir, 60, "--max-restarts", "1")
+        args += ["--slow-phase-timeout", "10", "--step-timeout", "5"]
+        run = launcher(*args)
+        run.wait_for(lambda: len(logged_steps(run_dir)) >= 14, PATIENCE_S, "14 logged steps")
+        assert subprocess.run(["fsfreeze", "-f", str(mnt)]).returncode == 0
+        frozen_at = time.monotonic()
+        try:
+            run.wait_for(lambda: "[launch] restart 1/1" in run.text(), PATIENCE_S, "a restart")
+        finally:
+            subprocess.run(["fsfreeze", "-u", str(mnt)])
+        took = time.monotonic() - frozen_at
+        assert took < 10 + 5 + 30, took  # the deadline, the stuck-exit wait, start-up
+        text = run.text()
+        # the first rank to exit may have ended, or be stuck exiting (said, not waited for)
+        assert re.search(r"\[launch\] rank \d failed with exit code 77", text), text[-3000:]
+        assert re.search(r"\[rank \d\] jaxdist: error: hang: .*the file system does not answer",
+                         text), text[-3000:]  # fmt: skip
+        assert run.proc.wait(timeout=PATIENCE_S) == 0, text[-3000:]
+        assert logged_steps(run_dir)[-1] == 60
+        # the rank could not write its record into the frozen file system: the launcher's
+        # writer did, once it answered
+        hangs = [f for f in failures_of(run_dir) if f["cause"] == "hang"]
+        assert len(hangs) == 1 and hangs[0]["exit_code"] == 77, failures_of(run_dir)
 
 
 def test_a_read_only_mount_says_so_and_a_permission_says_the_user(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 
 from group_helpers import PATIENCE_S, gone_within
 from helpers import alive
+from jaxdist.cluster import failures
 
 
 def script(tmp_path: Path, name: str, text: str) -> str:
@@ -193,3 +195,30 @@ def test_a_preempted_rank_lets_the_others_stop_by_themselves(tmp_path, launcher)
     assert "[launch] rank 1 stopped for preemption (exit 75)" in text
     assert "[rank 0] rank 0 stopping" in text  # not ended by the launcher
     assert "failed" not in text
+
+
+class NeverReaped:
+    """A process as ``subprocess.Popen`` shows one that exited but cannot end: ``wait``
+    never returns it (the real one is reaped by the test afterwards)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def wait(self, timeout=None):
+        time.sleep(timeout)
+        raise subprocess.TimeoutExpired("never reaped", timeout)
+
+
+def test_an_exited_process_that_cannot_end_counts_as_exited_with_its_code(monkeypatch):
+    """``exits.wait``: a zombie that stays one (as a process whose threads sleep in a
+    frozen file system's writes stays) is taken as exited after ``STUCK_S``, with the
+    code its exit left in /proc (77; -9 for a SIGKILL)."""
+    import jaxdist.launch.exits as exits
+
+    monkeypatch.setattr(exits, "STUCK_S", 0.3)
+    for script, expected in (("os._exit(77)", 77), ("os.kill(os.getpid(), 9)", -9)):
+        proc = subprocess.Popen([sys.executable, "-c", f"import os; {script}"])
+        while failures.process_state(proc.pid) != "Z":
+            time.sleep(0.01)
+        assert exits.wait(NeverReaped(proc.pid), poll_s=0.05) == (expected, True)
+        assert proc.wait() == expected  # the real exit code, as waitpid reports it

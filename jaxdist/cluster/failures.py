@@ -85,10 +85,7 @@ def record(run_dir: Path | None, failure: Failure) -> None:
         return
     if failure.cause == "bad_input" and not Path(run_dir).is_dir():
         return
-    values = asdict(failure)
-    values["time"] = failure.time or time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    if failure.exit_code is None and not failure.recovered and failure.cause in CODES:
-        values["exit_code"] = CODES[failure.cause]
+    values = completed(asdict(failure))
     try:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         with open(Path(run_dir) / FILE, "a") as out:
@@ -99,6 +96,14 @@ def record(run_dir: Path | None, failure: Failure) -> None:
         where = Path(run_dir) / FILE
         print(f"jaxdist: {where} cannot be written ({err.strerror}); its record: "
               f"{json.dumps(values)}", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def completed(values: dict) -> dict:
+    """A record's fields with its time (now, if not set) and the exit code of its cause."""
+    values = {**values, "time": values.get("time") or time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if values.get("exit_code") is None and not values.get("recovered"):
+        values["exit_code"] = CODES.get(values.get("cause"))
+    return values
 
 
 def read(run_dir: Path) -> list[dict]:
@@ -144,16 +149,18 @@ def process_gone(record: dict, host: str) -> bool:
 LAUNCHER_DIR = "JAXDIST_FAILURE_DIR"  # set by python -m jaxdist.launch for its ranks
 
 
-def tell_launcher(failure: Failure) -> None:
+def tell_launcher(failure: Failure, recorded: bool = True) -> None:
     """Leaves ``failure`` where ``python -m jaxdist.launch`` looks when its group ends, so
     that it names the culprit (a frozen process never exits by itself: without this the
-    first rank to exit, a healthy one, would be blamed). Never raises."""
+    first rank to exit, a healthy one, would be blamed); ``recorded=False``: its record
+    could not be written, and the launcher writes it. Never raises."""
     folder = os.environ.get(LAUNCHER_DIR)
     if not folder:
         return
     rank = os.environ.get("JAXDIST_PROCESS_ID", str(failure.reported_by))
     with contextlib.suppress(OSError):
-        Path(folder, f"rank{rank}.json").write_text(json.dumps(asdict(failure)))
+        told = {**asdict(failure), **({} if recorded else {"recorded": False})}
+        Path(folder, f"rank{rank}.json").write_text(json.dumps(told))
 
 
 # Two SIGTERMs this close are one request: a group-wide kill (systemd, a container

@@ -104,10 +104,11 @@ def report(watch: Watchdog, declared: dict, mine: dict, silent: dict[int, float]
         reported_by=watch.index,
     )
     print(f"jaxdist: error: hang: {why}{where}", file=sys.stderr, flush=True)
-    if not _bounded(lambda: failures.record(watch.run_dir, failure)):
+    recorded = _bounded(lambda: failures.record(watch.run_dir, failure))
+    if not recorded:
         print(f"jaxdist: failures.jsonl not written: {json.dumps(asdict(failure))}",
               file=sys.stderr, flush=True)  # fmt: skip
-    failures.tell_launcher(failure)
+    failures.tell_launcher(failure, recorded)
     if watch.count > 1:
         watch.kv(store.put, REPORTED, "1")
         time.sleep(min(1.0, watch.poll_s * 2))  # the others read it before the store goes

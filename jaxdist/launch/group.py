@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jaxdist.cluster import failures
-from jaxdist.launch import orphans, stop_signals
+from jaxdist.launch import exits, orphans, records, stop_signals
 from jaxdist.launch.exits import Elsewhere, Exit
 from jaxdist.launch.placement import Placement, free_port, rank_env
 from jaxdist.launch.rank_output import Output, forward
@@ -64,6 +64,7 @@ class Group:
         self.procs: list[subprocess.Popen] = []
         self.threads: list[threading.Thread] = []
         self.empty: set[int] = set()  # process groups known to be empty: never signalled
+        self.stuck: set[int] = set()  # pids that exited but cannot end (exits.wait)
         self.ended = False
         self.guard = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", orphans.GUARD],
@@ -103,14 +104,16 @@ class Group:
             self.threads.append(thread)
 
     def _reap(self, rank: int, proc: subprocess.Popen) -> None:
-        proc.wait()
+        returncode, stuck = exits.wait(proc)
+        if stuck:
+            self.stuck.add(proc.pid)
         try:
             os.killpg(proc.pid, 0)  # children left behind keep the pid from being reused
         except ProcessLookupError:  # none: the pid may be reused, never signal it again
             self.empty.add(proc.pid)
         except PermissionError:
             pass
-        self.done.append(Exit(rank, proc.returncode, self.place.first_rank, self.place.node))
+        self.done.append(Exit(rank, returncode, self.place.first_rank, self.place.node, stuck))
         self.exits.put(self.done[-1])
         if self.watcher is not None:
             self.watcher(self.done[-1])
@@ -145,7 +148,7 @@ class Group:
     def wait_exited(self, seconds: float) -> bool:
         """True once every process has exited; False if some still run after ``seconds``."""
         deadline = time.monotonic() + seconds
-        while any(proc.returncode is None for proc in self.procs):
+        while any(p.returncode is None and p.pid not in self.stuck for p in self.procs):
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.02)
@@ -159,7 +162,8 @@ class Group:
         being dead, names it and exits 76), and a second as "exit now"; two within
         ``failures.SIGTERM_MERGE_S`` are one request (a group-wide kill), so the second comes
         after it. Once only: a stop signal's handling ends the group first. A rank's
-        death that no process recorded is recorded here (``record_unreported``)."""
+        death that no process recorded, or a record a rank could not write, is written here
+        (``jaxdist.launch.records``)."""
         if self.ended:
             return
         self.ended = True
@@ -177,45 +181,16 @@ class Group:
         for thread in self.threads:
             thread.join(timeout=1)  # the last lines of output
         self._tell_guard("done")
-        self.record_unreported(died)
+        records.unreported(Path(self.failure_dir), died, self.out.say)
+        records.unwritten(Path(self.failure_dir), self.out.say)
         shutil.rmtree(self.failure_dir, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.guard.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.guard.wait(timeout=KILL_WAIT_S)
 
-    def record_unreported(self, died: list[Exit]) -> None:
-        """A rank killed by a signal (``kill -9``, the OOM killer) when no process could
-        say so (process 0's death takes the coordination service, and the survivors may
-        be ended first): its ``failures.jsonl`` record, written by the launcher."""
-        folder = Path(self.failure_dir)
-        run_dir = failures.launcher_run_dir(folder)
-        if not died or run_dir is None or failures.from_launcher_dir(folder):
-            return
-        first = died[0]
-        failure = failures.Failure(
-            cause="dead_peer",
-            message=f"process {first.global_rank} died: {first} (recorded by the launcher: "
-            "no process of the group could)",
-            process=first.global_rank,
-            host=failures.hostname(),
-            exit_code=first.code,
-            reported_by="launcher",
-        )
-        failures.record(run_dir, failure)
-        self.out.say(f"recorded in {run_dir / failures.FILE}: {failure.message}")
-
     def newest_checkpoint(self) -> str:
-        """ "the newest checkpoint: step N in DIR" (or that there is none), for the line
-        that ends a forced stop; "" when the run's directory is not known."""
-        run_dir = failures.launcher_run_dir(Path(self.failure_dir))
-        if run_dir is None:
-            return ""
-        folder = run_dir / "checkpoints"
-        steps = sorted(int(p.name) for p in folder.glob("*") if p.name.isdigit())
-        if not steps:
-            return f"no checkpoint in {folder}"
-        return f"the newest checkpoint: step {steps[-1]} in {folder}"
+        return records.newest_checkpoint(Path(self.failure_dir))
 
     def culprit(self, first: Exit | Elsewhere) -> str:
         """Who is to blame, when it is not ``first``: a rank that is stopped (SIGSTOP: it
