@@ -3,7 +3,9 @@ Building sources from the command line's ``--data`` is ``jaxdist.train.build_dat
 
 Loaders yield host-local numpy (this process's rows); ``jaxdist.shard_batch`` is the one
 seam to global device arrays. grain's datasets are sources too (``grain_source``; grain
-is imported only when one is used). ``python -m jaxdist.data prepare`` writes token files.
+is imported only when one is used). ``python -m jaxdist.data prepare`` writes token files,
+byte-level or with a Hugging Face tokenizer (``jaxdist.data.tokenizer``: ``tokenizers`` is
+imported only when one is loaded).
 """
 
 from jaxdist.data.arrays import NpzArrays

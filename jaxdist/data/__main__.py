@@ -1,5 +1,6 @@
-"""``python -m jaxdist.data prepare INPUT [INPUT ...] --out DIR [--eval-fraction F]``
-and ``python -m jaxdist.data stdlib [--cache-dir DIR]``."""
+"""``python -m jaxdist.data prepare INPUT [INPUT ...] --out DIR [--eval-fraction F]
+[--tokenizer PATH [--eos-token TOKEN]]`` and ``python -m jaxdist.data stdlib
+[--cache-dir DIR]``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 from jaxdist.data.text import (
+    EOT,
     EVAL_FRACTION,
     default_cache_dir,
     held_out_bytes,
@@ -20,10 +22,27 @@ from jaxdist.errors import JaxdistError
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m jaxdist.data", description="Prepare byte-level token files."
+        prog="python -m jaxdist.data",
+        description="Prepare token files: byte-level, or a Hugging Face tokenizer's.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     text = commands.add_parser("prepare", help="tokenise text files into train/eval .bin files")
+    text.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="a tokenizer.json, or a Hugging Face model folder holding one: its ids, its "
+        "end-of-document token between files (default: bytes, end of document 256; needs "
+        "the tokenizers package)",
+    )
+    text.add_argument(
+        "--eos-token",
+        default=None,
+        metavar="TOKEN",
+        help="with --tokenizer: the end-of-document token (default: the folder's "
+        "tokenizer_config.json eos_token, else config.json eos_token_id)",
+    )
     text.add_argument("inputs", nargs="+", metavar="INPUT", help="a file, a folder or a glob")
     text.add_argument("--out", required=True, type=Path, help="output folder")
     text.add_argument(
@@ -46,10 +65,32 @@ def summary(name: str, path: Path) -> str:
     return f"{name}: {files:,} files, {tokens:,} tokens, {size:,} bytes -> {path}"
 
 
-def prepare_command(inputs: list[str], out: Path, eval_fraction: float) -> dict[str, Path]:
+def prepare_command(
+    inputs: list[str],
+    out: Path,
+    eval_fraction: float,
+    tokenizer_path: Path | None = None,
+    eos_token: str | None = None,
+) -> dict[str, Path]:
     """``prepare``, except that inputs with no text to hold out give train.bin alone and
     one line saying so: an ``eval.bin`` of end-of-document separators only would
-    evaluate nothing."""
+    evaluate nothing. The tokenizer is read, and its end of document found, before
+    anything is written."""
+    if eos_token is not None and tokenizer_path is None:
+        raise JaxdistError(
+            f"--eos-token {eos_token!r} is for --tokenizer: byte-level files end each "
+            f"document with id {EOT}"
+        )
+    tokenizer = None
+    if tokenizer_path is not None:  # the tokenizers package is imported here, not before
+        from jaxdist.data import tokenizer as tokenizer_lib
+
+        tokenizer = tokenizer_lib.load(tokenizer_path, eos_token)
+        print(
+            f"tokenizer: {tokenizer.path}: vocabulary {tokenizer.vocab_size:,}, end of "
+            f"document {tokenizer.eos_token!r} (id {tokenizer.eos_id})",
+            flush=True,
+        )
     if eval_fraction > 0 and not held_out_bytes(inputs, eval_fraction):
         print(
             f"jaxdist: note: no eval.bin: too few files or too little text to hold out "
@@ -59,14 +100,16 @@ def prepare_command(inputs: list[str], out: Path, eval_fraction: float) -> dict[
             flush=True,
         )
         eval_fraction = 0.0
-    return prepare(inputs, out, eval_fraction=eval_fraction)
+    return prepare(inputs, out, eval_fraction=eval_fraction, tokenizer=tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "prepare":
-            paths = prepare_command(args.inputs, args.out, args.eval_fraction)
+            paths = prepare_command(
+                args.inputs, args.out, args.eval_fraction, args.tokenizer, args.eos_token
+            )
         else:
             paths = stdlib_corpus(args.cache_dir)
     except JaxdistError as err:

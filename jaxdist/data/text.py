@@ -1,6 +1,8 @@
-"""Byte-level text: each file becomes its bytes (ids 0..255) followed by ``EOT`` (256).
-``prepare`` writes train/eval token files, split by file; ``stdlib_corpus`` prepares the
-running Python's standard library once into a cache folder."""
+"""Text to token files. Byte-level: each file becomes its bytes (ids 0..255) followed by
+``EOT`` (256). With a tokenizer (``jaxdist.data.tokenizer``): each file's UTF-8 text
+becomes the tokenizer's ids followed by its end-of-document id. ``prepare`` writes
+train/eval token files, split by file; ``stdlib_corpus`` prepares the running Python's
+standard library once into a cache folder."""
 
 from __future__ import annotations
 
@@ -89,11 +91,22 @@ def held_out(keys: list[str], eval_fraction: float) -> list[bool]:
     return held
 
 
-def prepare(inputs, out_dir, *, eval_fraction: float = 0.0, progress: bool = True):
+def prepare(inputs, out_dir, *, eval_fraction: float = 0.0, progress: bool = True, tokenizer=None):
     """Tokenises ``inputs`` into ``out_dir/train.bin`` (and ``eval.bin`` when
-    eval_fraction > 0), each with a sidecar; returns {"train": path[, "eval": path]}."""
+    eval_fraction > 0), each with a sidecar; returns {"train": path[, "eval": path]}.
+    ``tokenizer``: a ``jaxdist.data.tokenizer.TextTokenizer`` (its ids, its end of
+    document, recorded in the sidecars), else bytes. On an error nothing is left: no
+    file, and no ``out_dir`` if this call made it."""
     inputs = _as_list(inputs)
-    return _prepare(_collect(inputs), Path(out_dir), eval_fraction, progress, " ".join(inputs))
+    entries, out_dir = _collect(inputs), Path(out_dir)
+    made = not out_dir.exists()
+    try:
+        return _prepare(entries, out_dir, eval_fraction, progress, " ".join(inputs), tokenizer)
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):  # only if still empty (temp files are gone)
+                out_dir.rmdir()
+        raise
 
 
 def held_out_bytes(inputs, eval_fraction: float) -> int:
@@ -115,7 +128,12 @@ def _as_list(inputs) -> list[str]:
 
 
 def _prepare(
-    entries: list[Entry], out_dir: Path, eval_fraction: float, progress: bool, sources: str
+    entries: list[Entry],
+    out_dir: Path,
+    eval_fraction: float,
+    progress: bool,
+    sources: str,
+    tokenizer=None,
 ) -> dict[str, Path]:
     if not 0 <= eval_fraction < 1:
         raise JaxdistError(f"eval fraction must be in [0, 1), got {eval_fraction}")
@@ -125,40 +143,78 @@ def _prepare(
     sizes = [_size(path) for path, _ in entries]
     _check_not_empty(sizes, held, sources)
     names = ["train", "eval"] if eval_fraction > 0 else ["train"]
+    vocab = tokenizer.vocab_size if tokenizer is not None else BYTE_VOCAB
+    extra = {"tokenizer": tokenizer.sidecar()} if tokenizer is not None else None
     with contextlib.ExitStack() as stack:
         writers = {
-            name: stack.enter_context(TokenWriter(out_dir / f"{name}.bin", BYTE_VOCAB))
+            name: stack.enter_context(TokenWriter(out_dir / f"{name}.bin", vocab, extra))
             for name in names
         }
         bar = stack.enter_context(_Progress(sum(sizes), progress))
+        documents = _documents(entries, tokenizer, bar)
         if eval_fraction > 0 and len(entries) == 1:
-            files = _write_tail_split(entries[0], eval_fraction, writers, bar)
+            files = _write_tail_split(entries[0], documents, eval_fraction, writers)
         else:
-            files = _write_by_file(entries, held, writers, bar)
+            files = _write_by_file(entries, documents, held, writers)
         return {name: writers[name].commit(sources, files[name]) for name in names}
 
 
-def _write_by_file(entries, held, writers, bar) -> dict[str, list[str]]:
+def _write_by_file(entries, documents, held, writers) -> dict[str, list[str]]:
     files: dict[str, list[str]] = {name: [] for name in writers}
-    for (path, key), is_eval in zip(entries, held, strict=True):
+    for (_, key), tokens, is_eval in zip(entries, documents, held, strict=True):
         name = "eval" if is_eval else "train"
-        tokens = _tokenise(path)  # (bytes + 1,)
-        writers[name].write(tokens, documents=1)
+        writers[name].write(tokens, documents=1)  # (ids + 1,): the document, its end
         files[name].append(key)
-        bar.advance(len(tokens) - 1)
     return files
 
 
-def _write_tail_split(entry, eval_fraction, writers, bar) -> dict[str, list[str]]:
-    """One file cannot be split by file: its last ``eval_fraction`` of bytes is held out
-    (a 1 MB file at 0.02: the first 980 KB train, the last 20 KB eval)."""
-    path, key = entry
-    tokens = _tokenise(path)  # (bytes + 1,), ends with EOT
+def _write_tail_split(entry, documents, eval_fraction, writers) -> dict[str, list[str]]:
+    """One file cannot be split by file: its last ``eval_fraction`` of tokens (bytes, or
+    a tokenizer's ids) is held out (a 1 MB file at 0.02, byte-level: the first 980 KB
+    train, the last 20 KB eval)."""
+    _, key = entry
+    tokens = next(iter(documents))  # (ids + 1,), ends with the end of document
     cut = round((len(tokens) - 1) * (1 - eval_fraction))
-    writers["train"].write(np.append(tokens[:cut], np.uint16(EOT)), documents=1)
+    writers["train"].write(np.append(tokens[:cut], tokens[-1:]), documents=1)
     writers["eval"].write(tokens[cut:], documents=1)
-    bar.advance(len(tokens) - 1)
     return {"train": [f"{key}[:{cut}]"], "eval": [f"{key}[{cut}:]"]}
+
+
+BATCH_FILES, BATCH_BYTES = 256, 32 << 20  # a tokenizer encodes this many files at once
+
+
+def _documents(entries, tokenizer, bar) -> Iterator[np.ndarray]:
+    """Each file's ids and its end of document, in order; ``bar`` advanced by its bytes.
+    A tokenizer encodes files in batches (its own threads), a file whole at a time."""
+    if tokenizer is None:
+        for path, _ in entries:
+            tokens = _tokenise(path)  # (bytes + 1,)
+            bar.advance(len(tokens) - 1)
+            yield tokens
+        return
+    batch: list[tuple[Path, bytes]] = []
+    for i, (path, _) in enumerate(entries):
+        batch.append((path, _read(path)))
+        full = sum(len(data) for _, data in batch) >= BATCH_BYTES or len(batch) >= BATCH_FILES
+        if full or i == len(entries) - 1:
+            texts = [_text(path, data) for path, data in batch]
+            for (_, data), ids in zip(batch, tokenizer.encode_batch(texts), strict=True):
+                tokens = np.empty(len(ids) + 1, np.uint32)
+                tokens[:-1] = ids
+                tokens[-1] = tokenizer.eos_id
+                bar.advance(len(data))
+                yield tokens
+            batch = []
+
+
+def _text(path: Path, data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise JaxdistError(
+            f"{path}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+            "a tokenizer reads text: leave the file out, or convert it"
+        ) from err
 
 
 def _check_not_empty(sizes: list[int], held: list[bool], sources: str) -> None:
@@ -175,11 +231,15 @@ def _size(path: Path) -> int:
         raise JaxdistError(f"{path}: cannot read: {err.strerror}") from err
 
 
-def _tokenise(path: Path) -> np.ndarray:
+def _read(path: Path) -> bytes:
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError as err:
         raise JaxdistError(f"{path}: cannot read: {err.strerror}") from err
+
+
+def _tokenise(path: Path) -> np.ndarray:
+    data = _read(path)
     tokens = np.empty(len(data) + 1, np.uint16)
     tokens[:-1] = np.frombuffer(data, np.uint8)
     tokens[-1] = EOT

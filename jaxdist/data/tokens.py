@@ -8,6 +8,10 @@
 
 ``files`` (optional) names the documents in token order, one entry each: for text,
 the file's path relative to the folder given as input, else the path as given.
+``tokenizer`` (optional; ``prepare --tokenizer``) is what made the ids::
+
+    {"path": ".../tokenizer.json", "fingerprint": "sha256:...", "vocab_size": V,
+     "eos_id": E, "eos_token": "<|endoftext|>"}
 """
 
 from __future__ import annotations
@@ -35,6 +39,16 @@ SIDECAR_FIELDS = {
     "files": (
         "a list of strings",
         lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    ),
+    "tokenizer": (
+        "an object with path, fingerprint, vocab_size and eos_id",
+        lambda v: (
+            isinstance(v, dict)
+            and isinstance(v.get("path"), str)
+            and isinstance(v.get("fingerprint"), str)
+            and _is_int(v.get("vocab_size"))
+            and _is_int(v.get("eos_id"))
+        ),
     ),
 }
 
@@ -78,9 +92,10 @@ class TokenWriter:
     sidecar, into place, so readers never see half a file. As a context manager, leaving
     without a commit (an error, Ctrl-C) removes the temp file."""
 
-    def __init__(self, path, vocab_size: int):
+    def __init__(self, path, vocab_size: int, extra: dict | None = None):
         self.path = Path(path)
         self.vocab_size = int(vocab_size)
+        self.extra = dict(extra or {})  # more sidecar fields, e.g. {"tokenizer": {...}}
         self.dtype = DTYPES["uint16" if self.vocab_size <= 1 << 16 else "uint32"]
         self.num_tokens = self.documents = 0
         self.max_token = -1
@@ -120,6 +135,7 @@ class TokenWriter:
         }
         if files is not None:
             meta["files"] = files
+        meta.update(self.extra)
         os.replace(self.tmp, self.path)
         _write_text_atomic(sidecar_path(self.path), json.dumps(meta, indent=1) + "\n")
         return self.path
@@ -148,6 +164,48 @@ def write_token_file(
         return writer.commit(sources, files)
 
 
+def check_vocabulary(path, model_vocab: int, given_by: str, role: str = "--data") -> None:
+    """Refuses a model vocabulary smaller than the one token file ``path``'s sidecar
+    declares (a tokenizer's, or the bytes' 257): ids the tokenizer makes would have no
+    row, even where this file happens not to hold them. ``given_by`` says where the
+    model's number came from (``--vocab-size``, ``--model-args vocab_size``, ...), ``role``
+    the flag that named the file. No sidecar, no claim: nothing to check here (the
+    reader checks each id)."""
+    meta = read_sidecar(path) if Path(path).is_file() else None
+    declared = (meta or {}).get("vocab_size")
+    if not declared or model_vocab >= declared:
+        return
+    record = meta.get("tokenizer")
+    whose = f"tokenizer {record.get('path')}" if record else f"{sidecar_path(path).name}"
+    largest = f", ids up to {meta['max_token']} in it" if meta.get("max_token", -1) >= 0 else ""
+    advice = {
+        "--vocab-size": f": give --vocab-size {declared} or more, or leave it out to take the "
+        "file's",
+        "--model-args vocab_size": f": give --model-args vocab_size={declared} or more",
+    }.get(given_by, "")
+    raise JaxdistError(
+        f"{role} {path}: its vocabulary is {declared:,} ({whose}{largest}), larger than the "
+        f"model's {model_vocab:,} ({given_by}){advice}"
+    )
+
+
+def check_same_tokenizer(train, held_out) -> None:
+    """Refuses a held-out token file prepared with another tokenizer than the training
+    file (both sidecars record one, with different fingerprints)."""
+    records = [
+        (read_sidecar(p) or {}).get("tokenizer") if Path(p).is_file() else None
+        for p in (train, held_out)
+    ]
+    if not all(records):
+        return
+    (a, b) = (r.get("fingerprint") for r in records)
+    if a != b:
+        raise JaxdistError(
+            f"--eval-data {held_out} was prepared with another tokenizer than --data {train}: "
+            f"{records[1].get('path')} ({b}) against {records[0].get('path')} ({a})"
+        )
+
+
 class TokenWindows:
     """Example i is ``tokens[i*T : i*T + T + 1]`` (T = seq_len): consecutive windows share
     one token, so each token after the first is a target once per epoch."""
@@ -163,6 +221,7 @@ class TokenWindows:
             raise JaxdistError(f"{self.path}: no such token file")
         meta = read_sidecar(self.path)
         self.vocab_size = meta.get("vocab_size") if meta else None
+        self.tokenizer = meta.get("tokenizer") if meta else None  # None: bytes, or unknown
         # Kept open to see the mapped file's size before every read: a truncated file
         # would otherwise kill the process with SIGBUS at the first page past its end.
         self._fd = os.open(self.path, os.O_RDONLY)

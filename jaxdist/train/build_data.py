@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxdist.data import fingerprint, grain_source, row_checks, text
+from jaxdist.data import fingerprint, grain_source, row_checks, text, tokens
 from jaxdist.data.arrays import NpzArrays
 from jaxdist.data.loader import DataSource
 from jaxdist.data.synthetic import ByteWindows, TeacherClassification, grammar_corpus
@@ -131,14 +131,34 @@ def _synthetic(config: Config, task: str) -> Data:
 def _token_files(config: Config, train: Path, eval_path: Path | None, name: str) -> Data:
     seq_len, dtype = config.model.seq_len, config.data.token_dtype
     vocab = config.model.vocab_size or file_vocab(train)
+    _check_vocabulary(config, train, eval_path, vocab)
     windows = TokenWindows(train, seq_len, dtype=dtype, vocab_size=vocab)
     held_out = (
         TokenWindows(eval_path, seq_len, dtype=dtype, vocab_size=vocab) if eval_path else None
     )
-    byte_level = windows.vocab_size == text.BYTE_VOCAB
+    byte_level = windows.vocab_size == text.BYTE_VOCAB and windows.tokenizer is None
     description = f"{name} ({windows.num_tokens:,} tokens)"
     files = {"train": train, **({"eval": eval_path} if eval_path else {})}
     return Data(windows, held_out, vocab, byte_level, description, files=files)
+
+
+def _check_vocabulary(config: Config, train: Path, eval_path: Path | None, vocab: int) -> None:
+    """The model's vocabulary (--model-args, --vocab-size, else the training file's)
+    covers each file's declared one (its sidecar's: a tokenizer's, or the bytes' 257),
+    and a held-out file was made by the training file's tokenizer, if both say."""
+    declared = parse_model_args(config.model.model_args).get("vocab_size")
+    given_by = (
+        "--model-args vocab_size"
+        if declared
+        else "--vocab-size"
+        if config.model.vocab_size
+        else f"the vocabulary of --data {train}"
+    )
+    model_vocab = _limit(config, "lm", vocab)
+    tokens.check_vocabulary(train, model_vocab, given_by, "--data")
+    if eval_path is not None:
+        tokens.check_vocabulary(eval_path, model_vocab, given_by, "--eval-data")
+        tokens.check_same_tokenizer(train, eval_path)
 
 
 def file_vocab(path: Path) -> int:

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxdist.cluster import cpu_backend
+from jaxdist.data import tokens
 from jaxdist.data.text import BYTE_VOCAB
 from jaxdist.errors import ConfigError
 from jaxdist.parallel import hlo, strategies
@@ -65,9 +66,14 @@ def example_row(config: Config, task: str) -> tuple[dict[str, np.ndarray], int]:
 
 def _token_vocab(config: Config, path: str) -> int:
     declared = parse_model_args(config.model.model_args).get("vocab_size")
+    token_file = path.endswith((".bin", ".npy"))
     if declared or config.model.vocab_size:
-        return int(declared or config.model.vocab_size)
-    if path.endswith((".bin", ".npy")):  # its sidecar says; a missing one is an error
+        vocab = int(declared or config.model.vocab_size)
+        if token_file:  # the file's tokenizer needs this many rows at least, as in a run
+            given_by = "--model-args vocab_size" if declared else "--vocab-size"
+            tokens.check_vocabulary(Path(path), vocab, given_by)
+        return vocab
+    if token_file:  # its sidecar says; a missing one is an error
         return build_data.file_vocab(Path(path))
     return BYTE_VOCAB  # stdlib, grammar, text files: bytes
 
