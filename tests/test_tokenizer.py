@@ -25,7 +25,7 @@ from jaxdist.errors import JaxdistError
 from jaxdist.train.trainer import main as train_main
 from test_bad_input import error_line
 
-tokenizers = pytest.importorskip("tokenizers")
+tokenizers = pytest.importorskip("tokenizers", reason="the text extra: pip install 'jaxdist[text]'")
 
 EOS = "<|endoftext|>"
 VOCAB = 400
@@ -191,6 +191,9 @@ def test_a_gpt_trains_on_the_tokens_and_a_smaller_vocabulary_is_refused(prepared
     message = error_line(code, capsys.readouterr().err, ["train.bin", "400", "300"])
     assert "--vocab-size" in message and "tokenizer" in message
     assert not small.exists()
+    # and by --dry-run, which reads no data
+    code = train_main([*GPT, *data, "--vocab-size", "300", "--dry-run"])
+    error_line(code, capsys.readouterr().err, ["train.bin", "400", "300"])
 
 
 def test_a_held_out_file_of_another_tokenizer_is_refused(prepared, tmp_path, capsys, corpus, bpe):
