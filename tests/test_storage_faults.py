@@ -189,3 +189,24 @@ def test_a_stalled_file_system_is_reported_as_a_hang_naming_the_save(tmp_path):
         assert json.loads((run_dir / "failures.jsonl").read_text().splitlines()[-1])["cause"] in (
             "hang",
         )
+
+
+def test_a_disk_too_full_for_the_lock_ends_74_not_as_bad_input(tmp_path):
+    """A restart onto the disk that filled up (a launcher's --max-restarts, a requeue):
+    the run directory's lock cannot be written. A failed write, exit 74 with its line,
+    like every other; not exit 2, which says the command itself is wrong."""
+    with tmpfs(tmp_path / "fs", "1m") as fs:
+        (fs / "run").mkdir()
+        ballast = fs / "ballast"
+        with contextlib.suppress(OSError), open(ballast, "wb") as out:
+            while True:
+                out.write(b"\0" * 4096)
+                out.flush()
+        proc = train(["--steps", "2", "--run-dir", str(fs / "run")], tmp_path)
+        text = proc.communicate(timeout=120)[0]
+        assert proc.returncode == 74, text
+        errors = [x for x in text.splitlines() if "jaxdist: error:" in x]
+        assert (
+            len(errors) == 1
+            and f"cannot write jaxdist.lock in {fs / 'run'}: no space" in (errors[0])
+        ), text

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import jax
 
-from jaxdist.checkpoint import run_directory
+from jaxdist.checkpoint import io_errors, run_directory
 from jaxdist.errors import ConfigError
 
 LOCK = "jaxdist.lock"
@@ -42,9 +42,13 @@ class _Held:
 _HELD: dict[str, _Held] = {}  # by the lock's absolute path
 
 
+_STORAGE = "storage: "  # a refusal that is a failed write (exit 74), not bad input
+
+
 def take(run_dir: Path) -> None:
     """Process 0 takes ``run_dir``'s lock; its refusal reaches every process, and each
-    raises it (ConfigError: all exit 2 together). ``release(run_dir)`` gives it back."""
+    raises it (ConfigError: all exit 2 together; a lock a full disk cannot hold:
+    StorageError, all exit 74). ``release(run_dir)`` gives it back."""
     refusal = ""
     if jax.process_index() == 0:
         try:  # an unwritable --run-dir is named as setup's own check names it
@@ -53,8 +57,13 @@ def take(run_dir: Path) -> None:
         except ConfigError as err:
             refusal = str(err)
         except OSError as err:  # writable when checked, yet the lock could not be written
-            refusal = f"--run-dir {run_dir}: cannot write {LOCK}: {err}"
+            full = io_errors.storage_error(err, f"write {LOCK} in", run_dir)  # a full disk
+            refusal = f"{_STORAGE}{full.cause}" if full else (
+                f"--run-dir {run_dir}: cannot write {LOCK}: {err}"
+            )  # fmt: skip
     refusal = run_directory._agreed(refusal, size=4096)
+    if refusal.startswith(_STORAGE):  # exit 74 on every process, as any failed write
+        raise io_errors.StorageError(f"write {LOCK} in", run_dir, refusal[len(_STORAGE) :])
     if refusal:
         raise ConfigError(refusal)
 

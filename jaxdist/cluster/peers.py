@@ -187,13 +187,18 @@ def end_for_dead_peer(culprit: int | None, why: str) -> None:
 
 def name_dead(wait_s: float) -> tuple[int | None, str]:
     """(process, why) for the process that died: process 0 when its coordination service
-    is unreachable, else the peer whose beat stopped (waiting up to ``wait_s`` for the
-    watchdog to see it); (None, "") when no peer looks dead."""
+    is unreachable, a peer on this host whose process is gone (at once: a launcher ends
+    the group a fraction of a second after a death), else the peer whose beat stopped
+    (waiting up to ``wait_s`` for the watchdog to see it); (None, "") when none looks dead."""
     if _STATE.index != 0 and _STATE.coordinator and not _reachable(_STATE.coordinator):
         return 0, _describe(0, f"its coordination service at {_STATE.coordinator} is gone")
     watchdog = _STATE.watch
     if watchdog is None:
         return None, ""
+    host = failures.hostname()
+    for i, peer in list(watchdog.peers.items()):  # on this host: its process is gone
+        if peer.record.get("phase") != "done" and failures.process_gone(peer.record, host):
+            return i, _describe(i, "its process has ended")
     deadline = time.monotonic() + wait_s
     while True:
         stale = {
