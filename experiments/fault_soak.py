@@ -170,7 +170,10 @@ def kill(work: Path, rng: random.Random) -> Result:
     with contextlib.suppress(ProcessLookupError, KeyError):
         os.kill(ranks(w)[victim], signal.SIGKILL)
     fault = f"kill -9 of rank {victim} at step {step}"
-    return finish(fault, w, run_dir, at, f"jaxdist: error: process {victim}")
+    result = finish(fault, w, run_dir, at, f"jaxdist: error: process {victim}")
+    if not result.line:  # named by the survivor, whatever the launcher does after
+        result.ok, result.why = False, f"{result.why}; no survivor named it".strip("; ")
+    return result
 
 
 def sigterm(work: Path, rng: random.Random) -> Result:
