@@ -17,7 +17,10 @@ Runs:      the built-in GPT on its default data (bytes of the standard library),
            The rows named "explicit" train tests/explicit_model.py instead, a model in JAX's
            explicit-sharding style that names its tensor-parallel axis "tp" (``--axis-names
            tp=model``), on the same data; the GPT's own flags (bf16, remat, dropout, the
-           pipeline schedules) are n/a there.
+           pipeline schedules) are n/a there. The rows named "llama" train the built-in
+           Llama (``LLAMA``: grouped-query attention, QK-norm, q/k/v biases, a sliding
+           window shorter than the sequence, Llama 3's RoPE scaling, an untied head) with
+           every feature the GPT has.
 Expected:  every cell "ok": losses within 1e-4 (relative) of the reference, bf16 within 3e-2,
            resumed runs bit for bit; dropout equal to 1 device's where the layout draws one key
            for the global batch and within 3e-2 where it draws one per replica or per
@@ -55,6 +58,9 @@ LAYOUTS = {  # name -> (--mesh, processes)
     "explicit: data=8": ("data=8", 1),
     "explicit: data=2,fsdp=2,model=2": ("data=2,fsdp=2,model=2", 1),
     "explicit, 2 procs x 4: fsdp=4,model=2": ("fsdp=4,model=2", 2),
+    # the built-in Llama (LLAMA below), split every way a layer can be and pipelined
+    "llama: data=2,fsdp=2,model=2": ("data=2,fsdp=2,model=2", 1),
+    "llama: stage=2,fsdp=2,model=2": ("stage=2,fsdp=2,model=2", 1),
 }
 RUN = ["--global-batch-size", "16", "--steps", "6", "--log-every", "1"]
 GPT = ["--model", "gpt"]
@@ -63,17 +69,32 @@ EXPLICIT = [
     *("--model", "explicit_model:build", "--model-args", "vocab=258"),
     *("--loss", "explicit_model:loss", "--task", "lm", "--axis-names", "tp=model"),
 ]
+# the built-in Llama with its switches on (heads 4 of 16 features, 2 key/value heads split
+# over model=2; a window of 48 of the 64 positions; llama3 RoPE stretching 16 positions)
+LLAMA = [
+    *("--model", "llama", "--n-kv-heads", "2", "--qk-norm", "--attention-bias", "qkv"),
+    *("--sliding-window-tokens", "48", "--no-tie-embeddings", "--rope-type", "llama3"),
+    *("--rope-factor", "4", "--rope-original-max-positions", "16", "--ffn-dim", "128"),
+]
 TESTS = Path(__file__).resolve().parents[1] / "tests"  # where explicit_model.py lives
 # The GPT's own flags: what the explicit model (its own blocks, float32) has no use for
 GPT_ONLY = {"bfloat16", "remat block", "dropout", "1f1b", "interleaved"}
 
 
 def model_flags(layout: str) -> list[str]:
-    return EXPLICIT if layout.startswith("explicit") else GPT
+    if layout.startswith("explicit"):
+        return EXPLICIT
+    return LLAMA if layout.startswith("llama") else GPT
+
+
+def layout_of(layout: str) -> tuple[str, int]:
+    """(--mesh, processes) of a row, or of a mesh named after a row's model
+    ("llama: data=8", the llama rows' elastic target)."""
+    return LAYOUTS.get(layout) or (layout.rpartition(": ")[2], 1)
 
 
 def mesh_of(layout: str) -> str:
-    return LAYOUTS.get(layout, (layout,))[0]
+    return layout_of(layout)[0]
 
 
 SGD = ["--optimizer", "sgd", "--lr", "0.3", "--clip-norm", "0", "--momentum", "0"]
@@ -102,7 +123,7 @@ def run(
     ``work/name``; a run directory given is reused (a resume). In this process instead
     (``IN_PROCESS``, the tests' way: no interpreter to start) for one process. ``model``:
     the model's flags (default: the layout row's)."""
-    mesh, processes = LAYOUTS.get(layout, (layout, 1))
+    mesh, processes = layout_of(layout)
     run_dir = run_dir or work / name
     npz = work / f"{name}.npz"
     where = ["--mesh", mesh] if layout != REFERENCE else ["--num-devices", "1"]
@@ -240,7 +261,10 @@ def resumed(m: Matrix, layout: str, name: str, elastic: bool = False):
 
 def elastic_target(layout: str) -> str:
     """Where an elastic resume goes: data=8, with the layout row's model."""
-    return "explicit: data=8" if layout.startswith("explicit") else "data=8"
+    for model in ("explicit", "llama"):  # the rows of a model other than the GPT
+        if layout.startswith(model):
+            return f"{model}: data=8"
+    return "data=8"
 
 
 def continued(m: Matrix, name: str, full: Result, target: str, flags, env, exact: bool, model=None):

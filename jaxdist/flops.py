@@ -4,7 +4,8 @@ Two counts, reported side by side because they can disagree: XLA's cost analysis
 compiled step (per device, times the devices; it counts a loop body once, so a ``scan``
 over layers or microbatches is under-counted) and, for the GPT, the usual formula
 6N + 12 L d T FLOPs per token (forward and backward of every weight, plus attention
-scores and values). MFU uses the formula where there is one. The peak comes from
+scores and values), for the Llama 6N + 12 L H Dh T (``llama_flops_per_token``). MFU uses
+the formula where there is one. The peak comes from
 ``--peak-tflops`` or the table below; on a CPU there is none, so no MFU is made up.
 """
 
@@ -52,6 +53,31 @@ def gpt_flops_per_token(n_params: int, n_layers: int, d_model: int, seq_len: int
     return 6 * n_params + 12 * n_layers * d_model * seq_len
 
 
+def llama_flops_per_token(
+    n_matmul_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int
+) -> float:
+    """6N + 12 L H Dh T: N the weights every token multiplies (each block's q, k, v, o,
+    gate, up and down, the head; not an untied input embedding, which is looked up),
+    then the scores and values of the H query heads of Dh features against all T keys.
+    Grouped-query attention and SwiGLU enter through N (k and v of K heads, three MLP
+    matrices); H Dh, not d_model, is the attention width (Qwen3's differ). Neither the
+    causal mask nor a sliding window is subtracted: the kernels compute the full T x T
+    square and mask it, as XLA counts."""
+    return 6 * n_matmul_params + 12 * n_layers * n_heads * head_dim * seq_len
+
+
+def llama_matmul_params(dp, program, tied: bool) -> int:
+    """The Llama's parameters (``n_params``) less its input embedding where the head is
+    untied (then the embedding is only looked up): the N of ``llama_flops_per_token``."""
+    total = n_params(dp, program)
+    if tied:
+        return total
+    flat = jax.tree_util.tree_leaves_with_path(program.state.params)
+    keys = [(tuple(str(getattr(k, "key", k)) for k in path), x.size) for path, x in flat]
+    table = sum(size for path, size in keys if path[:2] == ("tok", "embedding"))
+    return total - table // (dp.layout.copies or 1)
+
+
 def xla_step_flops(program, device_count: int) -> float | None:
     """XLA's count for one step over all devices, from the compiled program's cost
     analysis (per device: the partitioned module); None where the backend gives none."""
@@ -76,22 +102,31 @@ def n_params(dp, program) -> int:
 
 def for_run(run, batch) -> StepFlops:
     """The command's counts: its compiled step (cached: the first step compiled it), the
-    GPT formula, and the devices' peak."""
+    GPT's or the Llama's formula, and the devices' peak."""
     model, cfg = run.config.model, run.config.train
     program = run.dp.program(batch)
     kind = jax.devices()[0].device_kind
     peak = peak_flops(kind, model.dtype, cfg.peak_tflops)
-    analytic = None
+    analytic, formula = None, StepFlops.formula
     if model.name == "gpt":
         per_token = gpt_flops_per_token(
             n_params(run.dp, program), model.n_layers, model.d_model, model.seq_len
         )
         analytic = per_token * cfg.global_batch_size * model.seq_len
+    elif model.name == "llama":
+        head_dim = model.head_dim or model.d_model // model.n_heads
+        matmul = llama_matmul_params(run.dp, program, model.tie_embeddings)
+        per_token = llama_flops_per_token(
+            matmul, model.n_layers, model.n_heads, head_dim, model.seq_len
+        )
+        analytic = per_token * cfg.global_batch_size * model.seq_len
+        formula = "6N + 12LHDhT"
     return StepFlops(
         xla=xla_step_flops(program, run.mesh.size),
         analytic=analytic,
         peak_flops_per_s=peak * run.mesh.size if peak else None,
         device_kind=kind,
+        formula=formula,
     )
 
 

@@ -49,7 +49,9 @@ def make_fused_next_token_loss(chunks: int):
     def fused_next_token_loss(model, batch):
         tokens = batch["tokens"]  # (B, T + 1)
         h = model.features(tokens[:, :-1])  # (B, T, D), the compute dtype
-        table = model.tok.embedding[...].astype(model.tok.dtype or h.dtype)  # (rows, D)
+        # the head's table: the token embedding (tied), or the Llama's own untied head
+        head = getattr(model, "lm_head", None) or model.tok
+        table = head.embedding[...].astype(head.dtype or h.dtype)  # (rows, D)
         loss = fused_cross_entropy(h, table, tokens[:, 1:], chunks, model.vocab_size)
         return loss, {}
 

@@ -92,7 +92,10 @@ def test_training_with_chunks_equals_training_without(unchunked, mesh, monkeypat
     "model, message",
     [
         ({"name": "gpt", "loss_chunks": 3}, "does not divide --seq-len 64"),
-        ({"name": "mlp", "loss_chunks": 2}, "only for --model gpt's own loss, not --model mlp"),
+        (
+            {"name": "mlp", "loss_chunks": 2},
+            "only for --model gpt's or llama's own loss, not --model mlp",
+        ),
     ],
 )
 def test_chunks_that_cannot_apply_are_refused(model, message):

@@ -174,6 +174,7 @@ def test_files_stay_short():
 
 # Pairs whose shared word is the point of the names, each with what tells them apart.
 DISTINCT = {
+    ("tokenizer", "tokens"): "a tokenizer (text -> ids), and the token files of ids",
     ("build_data", "build_model"): "the command line builds data and models from config",
     ("config", "config_checks"): "the config, and what each of its values may be",
     ("step", "step_checks"): "the step, and the checks of its outputs on the host",

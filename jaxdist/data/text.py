@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxdist.data.prepare_progress import Progress
 from jaxdist.data.tokens import TokenWriter, read_sidecar
 from jaxdist.errors import JaxdistError
-from jaxdist.units import size
 
 EOT = 256  # document separator, after every file
 BYTE_VOCAB = 257
@@ -150,7 +150,7 @@ def _prepare(
             name: stack.enter_context(TokenWriter(out_dir / f"{name}.bin", vocab, extra))
             for name in names
         }
-        bar = stack.enter_context(_Progress(sum(sizes), progress))
+        bar = stack.enter_context(Progress(sum(sizes), progress))
         documents = _documents(entries, tokenizer, bar)
         if eval_fraction > 0 and len(entries) == 1:
             files = _write_tail_split(entries[0], documents, eval_fraction, writers)
@@ -244,39 +244,6 @@ def _tokenise(path: Path) -> np.ndarray:
     tokens[:-1] = np.frombuffer(data, np.uint8)
     tokens[-1] = EOT
     return tokens
-
-
-class _Progress:
-    """Bytes read: a rich bar when stderr is a terminal, else a plain line per ~10%."""
-
-    def __init__(self, total_bytes: int, enabled: bool):
-        self.total, self.done, self.enabled = total_bytes, 0, enabled
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
-
-            columns = (BarColumn(bar_width=30), DownloadColumn(), TimeRemainingColumn())
-            self.bar = Progress(*columns, console=Console(stderr=True), transient=True)
-            self.task = self.bar.add_task("prepare", total=total_bytes)
-
-    def __enter__(self) -> _Progress:
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def advance(self, nbytes: int) -> None:
-        tenths_before = 10 * self.done // max(self.total, 1)
-        self.done += nbytes
-        if self.bar is not None:
-            self.bar.update(self.task, completed=self.done)
-        elif self.enabled and 10 * self.done // max(self.total, 1) > tenths_before:
-            read = f"{size(self.done)} of {size(self.total)}"
-            print(f"prepare: {read} read", file=sys.stderr, flush=True)
 
 
 def default_cache_dir() -> Path:

@@ -4,7 +4,7 @@ when called, and finds its end-of-document token. ``python -m jaxdist.data prepa
 --tokenizer PATH`` writes token files with it; the sidecar records what ``sidecar()``
 gives (path, fingerprint, vocabulary, end-of-document id), and ``for_token_file`` loads
 that tokenizer again, checked against the fingerprint, to turn ids back into text.
-(A run checks a token file's vocabulary against the model's: ``tokens.check_vocabulary``.)
+(A run checks a token file's vocabulary against the model's: ``sidecar.check_vocabulary``.)
 
 The end-of-document token, in this order: ``eos_token`` (``--eos-token``); else, in the
 folder (a folder given, or the one holding the file given), ``tokenizer_config.json``'s

@@ -1,17 +1,19 @@
-"""Models, which know nothing of devices or strategies: the MLP, the GPT (logical axis
-names on its parameters), ``Stack`` (identical blocks held stacked and scanned, with
-remat), ``attention`` (``jax.nn.dot_product_attention``, split over a ``seq`` mesh axis
-when the ambient mesh has one; the function, which shadows its module's name here), and
-``as_nnx``: any Flax model (NNX, or Linen through flax's bridge) as an NNX module, and
-``fp8_dot_general``: float8 matmuls for a linear layer (``jaxdist.models.fp8``). The
-command line's ``--model`` registry is ``jaxdist.train.build_model``.
+"""Models, which know nothing of devices or strategies: the MLP, the GPT and the Llama
+(logical axis names on their parameters), ``Stack`` (identical blocks held stacked and
+scanned, with remat), ``attention`` (``jax.nn.dot_product_attention``, split over a
+``seq`` mesh axis when the ambient mesh has one; the function, which shadows its
+module's name here), and ``as_nnx``: any Flax model (NNX, or Linen through flax's
+bridge) as an NNX module, and ``fp8_dot_general``: float8 matmuls for a linear layer
+(``jaxdist.models.fp8``). The command line's ``--model`` registry is
+``jaxdist.train.build_model``.
 """
 
 from jaxdist.models.adapt import as_nnx
 from jaxdist.models.attention import attention
 from jaxdist.models.fp8 import dot_general as fp8_dot_general
 from jaxdist.models.gpt import GPT
+from jaxdist.models.llama import Llama
 from jaxdist.models.mlp import MLP
 from jaxdist.models.stack import Stack
 
-__all__ = ["GPT", "MLP", "Stack", "as_nnx", "attention", "fp8_dot_general"]
+__all__ = ["GPT", "MLP", "Llama", "Stack", "as_nnx", "attention", "fp8_dot_general"]

@@ -8,8 +8,13 @@ devices' keys and values. This function does that; a model opts in with one line
     # before: att = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     att = jaxdist.attention(q, k, v, causal=True)
 
-q, k, v are (B, T, H, D/H), as ``jax.nn.dot_product_attention`` takes them. Without a
-mesh, or with seq = 1, it *is* that call (``implementation`` passed on). Under a mesh with
+q, k, v are (B, T, H, D/H), as ``jax.nn.dot_product_attention`` takes them; k and v may
+have fewer heads K (grouped-query attention: K divides H, query head h reads key/value
+head h // (H/K), as transformers' ``repeat_kv`` pairs them). ``window`` W > 0 (causal
+only): each query attends to the W latest positions, itself included (Mistral's sliding
+window; transformers' mask ``kv_idx > q_idx - W``). Without a mesh, or with seq = 1, it
+*is* ``jax.nn.dot_product_attention`` (``implementation`` passed on; the window as its
+``local_window_size=(W - 1, 0)``). Under a mesh with
 seq = S > 1 (the ambient one: ``jax.sharding.get_abstract_mesh()``, which jaxdist's step
 sets, and which ``jax.set_mesh`` or a ``shard_map`` set for a user's own code) it runs
 inside a ``jax.shard_map`` manual over ``seq`` only; the batch, heads (``model``) and
@@ -24,7 +29,11 @@ any other axes stay with the compiler. Two ways (``seq_attention``):
   (the backward pass keeps each hop's, as gather keeps all). The next block's send is
   issued before the current block's arithmetic, so the compiler may overlap them.
   Causal: the diagonal block is masked, blocks from later positions are skipped
-  (``lax.cond``: no arithmetic), earlier ones attend unmasked.
+  (``lax.cond``: no arithmetic), earlier ones attend unmasked. With a window, a block is
+  masked where part of it is out of reach and not visited where all of it is: the
+  ring stops after the last hop whose block a query can reach (ceil((W - 1) / (T/S)) hops).
+  Key/value blocks travel with their K heads; each hop repeats them to H for its
+  arithmetic.
 
 T must divide by S (a ``ConfigError`` names both). In the split paths the arithmetic is
 XLA's (float32 logits and softmax statistics, as ``jax.nn.dot_product_attention``'s XLA
@@ -54,19 +63,24 @@ WAYS = ("ring", "gather")
 
 
 def attention(q, k, v, *, causal: bool = True, seq_attention: str = "ring",
-              implementation=None):  # fmt: skip
-    """Softmax attention of q (B, T, H, Dh) over k, v (B, T, H, Dh) -> (B, T, H, Dh),
+              implementation=None, window: int = 0):  # fmt: skip
+    """Softmax attention of q (B, T, H, Dh) over k, v (B, T, K, Dh) -> (B, T, H, Dh),
     split over the ambient mesh's ``seq`` axis when it has one (see the module)."""
     if seq_attention not in WAYS:
         raise ConfigError(f"seq_attention: {seq_attention!r} is not one of {', '.join(WAYS)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"attention: {k.shape[2]} key/value heads do not divide {q.shape[2]}")
+    if window and not causal:
+        raise ValueError(f"attention: a window ({window}) of earlier positions is causal only")
     mesh = jax.sharding.get_abstract_mesh()
     seq = 1 if mesh.empty else dict(mesh.shape).get(SEQ, 1)
     if seq == 1:
         return jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation=implementation
-        )
+            q, k, v, is_causal=causal, implementation=implementation,
+            local_window_size=(window - 1, 0) if window else None,
+        )  # fmt: skip
     way = _ring_local if seq_attention == "ring" else _gather_local
-    local = functools.partial(way, causal=causal)
+    local = functools.partial(way, causal=causal, window=window)
     if SEQ in mesh.manual_axes:  # already per device (a user's shard_map over seq)
         return local(q, k, v)
     t = q.shape[1]
@@ -88,27 +102,33 @@ def _logits(q, k):
     return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
 
 
-def _causal_mask(tq: int, tk: int, q_start, k_start):
-    """(Tq, Tk): True where key position k_start + j is at or before q_start + i."""
+def _causal_mask(tq: int, tk: int, q_start, k_start, window: int = 0):
+    """(Tq, Tk): True where key position k_start + j is at or before q_start + i (and,
+    with a window, fewer than ``window`` positions before it)."""
     q_pos = q_start + jnp.arange(tq)
     k_pos = k_start + jnp.arange(tk)
-    return q_pos[:, None] >= k_pos[None, :]
+    behind = q_pos[:, None] - k_pos[None, :]  # how far each key is behind each query
+    return (behind >= 0) & (behind < window) if window else behind >= 0
 
 
-def _gather_local(q, k, v, *, causal: bool):
+def _gather_local(q, k, v, *, causal: bool, window: int = 0):
     """One device's T/S queries against all T keys, gathered over seq."""
-    k_all = lax.all_gather(k, SEQ, axis=1, tiled=True)  # (B, T, H, Dh)
+    k_all = lax.all_gather(k, SEQ, axis=1, tiled=True)  # (B, T, K, Dh)
     v_all = lax.all_gather(v, SEQ, axis=1, tiled=True)
     tq = q.shape[1]
     mask = None
     if causal:  # query i of device r is position r Tq + i
-        mask = _causal_mask(tq, k_all.shape[1], lax.axis_index(SEQ) * tq, 0)[None, None]
+        start = lax.axis_index(SEQ) * tq
+        mask = _causal_mask(tq, k_all.shape[1], start, 0, window)[None, None]
     return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask, implementation="xla")
 
 
 def _fold(state, q, k, v, mask=None):
     """The online softmax: ``state`` = (running max (B, H, Tq), running sum (B, H, Tq),
     unnormalised output (B, Tq, H, Dh), float32) with one more K/V block folded in."""
+    group = q.shape[2] // k.shape[2]  # query heads per key/value head (GQA)
+    if group > 1:  # (B, Tk, K, Dh) -> (B, Tk, H, Dh): head h reads kv head h // group
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     logits = _logits(q, k)  # (B, H, Tq, Tk)
     if mask is not None:
         logits = jnp.where(mask, logits, -jnp.inf)
@@ -127,21 +147,27 @@ def _fold(state, q, k, v, mask=None):
     return top, total, out
 
 
-def _ring_local(q, k, v, *, causal: bool):
+def _ring_local(q, k, v, *, causal: bool, window: int = 0):
     """One device's queries against every K/V block, the blocks passed round the ring:
     at hop s device r holds the block of device (r - s) mod S."""
     size, me = lax.axis_size(SEQ), lax.axis_index(SEQ)
     forward = [(i, (i + 1) % size) for i in range(size)]
     tq = q.shape[1]
-    mask = _causal_mask(tq, tq, 0, 0)[None, None] if causal else None
-    arriving = lax.ppermute((k, v), SEQ, forward)  # in flight during the diagonal block
+    mask = _causal_mask(tq, tq, 0, 0, window)[None, None] if causal else None
+    # With a window, hops whose block lies wholly beyond it are never made: the nearest
+    # key of hop s's block is s Tq - (Tq - 1) positions behind the farthest query.
+    hops = min(size, -(-(window - 1) // tq) + 1) if window else size
+    arriving = lax.ppermute((k, v), SEQ, forward) if hops > 1 else None  # during hop 0
     state = _fold(None, q, k, v, mask)  # hop 0: its own block, the diagonal
-    for hop in range(1, size):
+    for hop in range(1, hops):
         k, v = arriving
-        if hop + 1 < size:  # the next block's send, issued before this block's arithmetic
+        if hop + 1 < hops:  # the next block's send, issued before this block's arithmetic
             arriving = lax.ppermute((k, v), SEQ, forward)
+        # hop s's keys sit exactly s Tq positions earlier than the diagonal's: a fixed mask
+        far = _causal_mask(tq, tq, hop * tq, 0, window)[None, None] if window else None
         if causal:  # block (r - hop) mod S is earlier than r iff hop <= r; else skipped
-            state = lax.cond(hop <= me, lambda s, k=k, v=v: _fold(s, q, k, v), lambda s: s, state)
+            fold = functools.partial(_fold, q=q, k=k, v=v, mask=far)
+            state = lax.cond(hop <= me, fold, lambda s: s, state)
         else:
             state = _fold(state, q, k, v)
     _, total, out = state

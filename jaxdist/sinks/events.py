@@ -31,13 +31,15 @@ class StepFlops:
 
     ``xla``: XLA's cost analysis of the compiled step, per device x devices (it does not
     multiply a loop body, e.g. a ``scan`` over layers or microbatches, by its trip count).
-    ``analytic``: a formula's (the GPT's 6N + 12 L d T per token), or None.
+    ``analytic``: a formula's (the GPT's 6N + 12 L d T per token, the Llama's
+    6N + 12 L H Dh T), or None; ``formula`` names it.
     ``peak_flops_per_s``: all devices together; None where unknown (CPU): no MFU then."""
 
     xla: float | None = None
     analytic: float | None = None
     peak_flops_per_s: float | None = None
     device_kind: str = ""
+    formula: str = "6N + 12LdT"  # how the log line names ``analytic``
 
     @property
     def per_step(self) -> float | None:

@@ -79,7 +79,7 @@ class Terminal(Sink):
         if flops is None or not (flops.xla or flops.analytic):
             return
         counts = [f"XLA cost analysis {flops.xla:.3g}" if flops.xla else ""]
-        counts.append(f"6N + 12LdT {flops.analytic:.3g}" if flops.analytic else "")
+        counts.append(f"{flops.formula} {flops.analytic:.3g}" if flops.analytic else "")
         peak = f"peak {flops.peak_flops_per_s:.3g} FLOP/s" if flops.peak_flops_per_s else "no peak"
         kind = f" ({flops.device_kind})" if flops.device_kind else ""
         self.print(f"FLOPs per step: {', '.join(c for c in counts if c)}; {peak}{kind}")

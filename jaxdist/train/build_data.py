@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxdist.data import fingerprint, grain_source, row_checks, text, tokens
+from jaxdist.data import fingerprint, grain_source, row_checks, sidecar, text
 from jaxdist.data.arrays import NpzArrays
 from jaxdist.data.loader import DataSource
 from jaxdist.data.synthetic import ByteWindows, TeacherClassification, grammar_corpus
@@ -155,10 +155,10 @@ def _check_vocabulary(config: Config, train: Path, eval_path: Path | None, vocab
         else f"the vocabulary of --data {train}"
     )
     model_vocab = _limit(config, "lm", vocab)
-    tokens.check_vocabulary(train, model_vocab, given_by, "--data")
+    sidecar.check_vocabulary(train, model_vocab, given_by, "--data")
     if eval_path is not None:
-        tokens.check_vocabulary(eval_path, model_vocab, given_by, "--eval-data")
-        tokens.check_same_tokenizer(train, eval_path)
+        sidecar.check_vocabulary(eval_path, model_vocab, given_by, "--eval-data")
+        sidecar.check_same_tokenizer(train, eval_path)
 
 
 def file_vocab(path: Path) -> int:

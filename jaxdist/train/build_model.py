@@ -57,7 +57,46 @@ def _gpt(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     )
 
 
-BUILTIN = {"mlp": ModelSpec(_mlp, "classify"), "gpt": ModelSpec(_gpt, "lm")}
+def _llama(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    from jaxdist.models.llama import Llama
+    from jaxdist.models.rope import Rope
+
+    head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+    rope = Rope(
+        head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_factor, cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor, cfg.rope_original_max_positions,
+    )  # fmt: skip
+    return Llama(
+        cfg.vocab_size or BYTE_VOCAB,
+        cfg.d_model,
+        cfg.n_layers,
+        cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads,
+        head_dim=head_dim,
+        ffn_dim=cfg.ffn_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope=rope,
+        qk_norm=cfg.qk_norm,
+        attention_bias=cfg.attention_bias,
+        sliding_window=cfg.sliding_window_tokens,
+        tie_embeddings=cfg.tie_embeddings,
+        dtype=compute_dtype(cfg),
+        attention=attention_kernel(cfg),
+        scan_layers=cfg.scan_layers,
+        remat=cfg.remat,
+        dropout=cfg.dropout,
+        seq_attention=cfg.seq_attention,
+        rngs=rngs,
+    )
+
+
+BUILTIN = {
+    "mlp": ModelSpec(_mlp, "classify"),
+    "gpt": ModelSpec(_gpt, "lm"),
+    "llama": ModelSpec(_llama, "lm"),
+}
+# The built-in models whose blocks are a Stack under --scan-layers (always with stages)
+STACKED = ("gpt", "llama")
 
 
 def attention_kernel(cfg: ModelConfig) -> str:
@@ -81,7 +120,7 @@ def loss_chunks(cfg: ModelConfig, platform: str, shard_optimizer: bool = False) 
     if cfg.loss_chunks >= 0:
         return cfg.loss_chunks
     gpu = platform in ("gpu", "cuda", "rocm")
-    fits = cfg.name == "gpt" and not cfg.loss and cfg.seq_len % AUTO_LOSS_CHUNKS == 0
+    fits = cfg.name in STACKED and not cfg.loss and cfg.seq_len % AUTO_LOSS_CHUNKS == 0
     return AUTO_LOSS_CHUNKS if gpu and fits and not shard_optimizer else 0
 
 
@@ -150,22 +189,46 @@ class Fp8Builder:
         return model
 
 
-# The built-in GPT's own flags and their defaults: set for a model that cannot read them
-# (the MLP; a factory without a config parameter), they would change nothing.
-GPT_FLAGS = {"scan_layers": False, "remat": "none", "dropout": 0.0, "attention": "auto",
-             "seq_attention": "ring", "layer_norm_eps": 1e-6}  # fmt: skip
+# The built-in models' own flags and their defaults: set for a model that cannot read them
+# (the MLP; a factory without a config parameter; the other built-in transformer), they
+# would change nothing. The GPT and the Llama share the first group.
+SHARED_FLAGS = {"scan_layers": False, "remat": "none", "dropout": 0.0, "attention": "auto",
+                "seq_attention": "ring"}  # fmt: skip
+GPT_FLAGS = {**SHARED_FLAGS, "layer_norm_eps": 1e-6}
+LLAMA_FLAGS = {
+    **SHARED_FLAGS, "n_kv_heads": 0, "head_dim": 0, "ffn_dim": 0, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "rope_type": "default", "rope_factor": 1.0,
+    "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+    "rope_original_max_positions": 8192, "qk_norm": False, "attention_bias": "none",
+    "sliding_window_tokens": 0, "tie_embeddings": True, "model_from_config": "",
+}  # fmt: skip
+READS = {"gpt": GPT_FLAGS, "llama": LLAMA_FLAGS}  # the built-in models that read flags
 
 
 def check_gpt_flags(cfg: ModelConfig, reads_config: bool) -> None:
-    """``ConfigError`` for a GPT flag given to a model that cannot see it."""
-    given = [f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k, v in GPT_FLAGS.items()
-             if getattr(cfg, k) != v]  # fmt: skip
+    """``ConfigError`` for a built-in model's flag given to a model that cannot see it:
+    the GPT's to the MLP or to a factory without a config parameter, the Llama's to
+    the GPT and the GPT's own to the Llama (one line naming them)."""
+    flags = {**GPT_FLAGS, **LLAMA_FLAGS}
+    given = {k: f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k, v in flags.items()
+             if getattr(cfg, k) != v}  # fmt: skip
+    if cfg.name in READS:
+        unseen = [text for k, text in given.items() if k not in READS[cfg.name]]
+        if unseen:
+            other = "llama" if cfg.name == "gpt" else "gpt"
+            raise ConfigError(
+                f"{', '.join(unseen)}: flag(s) of --model {other}, which --model {cfg.name} "
+                "does not read, so they would change nothing; drop them"
+            )
+        return
     if given and not reads_config:
+        owner = "GPT's" if set(given) <= set(GPT_FLAGS) else "GPT's and Llama's"
         raise ConfigError(
-            f"{', '.join(given)}: the built-in GPT's flag(s), which --model {cfg.name} cannot "
-            "see (it builds its own blocks and takes no config parameter), so they would "
-            "change nothing; drop them, or give the factory a config parameter that reads them "
-            "(for stacked blocks: jaxdist.models.Stack, nnx.scan or Linen's nn.scan)"
+            f"{', '.join(given.values())}: the built-in {owner} flag(s), which --model "
+            f"{cfg.name} cannot see (it builds its own blocks and takes no config parameter), "
+            "so they would change nothing; drop them, or give the factory a config parameter "
+            "that reads them (for stacked blocks: jaxdist.models.Stack, nnx.scan or Linen's "
+            "nn.scan)"
         )
 
 
@@ -184,7 +247,7 @@ def takes_config(factory) -> bool:
 
 def _factory(cfg: ModelConfig, seed: int) -> Callable[[], object]:
     if cfg.name in BUILTIN:
-        check_gpt_flags(cfg, reads_config=cfg.name == "gpt")
+        check_gpt_flags(cfg, reads_config=cfg.name in READS)
         if cfg.model_args:
             raise ConfigError(
                 f"--model-args {cfg.model_args!r}: only for a factory package.module:function; "

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jaxdist.cluster import cpu_backend
-from jaxdist.data import tokens
+from jaxdist.data import sidecar
 from jaxdist.data.text import BYTE_VOCAB
 from jaxdist.errors import ConfigError
 from jaxdist.parallel import hlo, strategies
@@ -71,7 +71,7 @@ def _token_vocab(config: Config, path: str) -> int:
         vocab = int(declared or config.model.vocab_size)
         if token_file:  # the file's tokenizer needs this many rows at least, as in a run
             given_by = "--model-args vocab_size" if declared else "--vocab-size"
-            tokens.check_vocabulary(Path(path), vocab, given_by)
+            sidecar.check_vocabulary(Path(path), vocab, given_by)
         return vocab
     if token_file:  # its sidecar says; a missing one is an error
         return build_data.file_vocab(Path(path))

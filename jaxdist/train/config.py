@@ -20,61 +20,10 @@ from jaxdist.data import text
 from jaxdist.errors import ConfigError
 from jaxdist.train import flags
 from jaxdist.train.config_checks import coerce, validate
+from jaxdist.train.architecture import ModelConfig, with_model_from_config
 from jaxdist.train.yaml_file import load_yaml
 
 Strategy = Literal["pmap", "shard_map", "gspmd"]
-
-
-@dataclass
-class ModelConfig:
-    # built-in name ("mlp", "gpt") or a user factory "package.module:function"
-    name: str = field(default="mlp", metadata={"flag": "--model"})
-    # what the model does, so which data and default loss: auto = gpt -> lm, else classify
-    task: Literal["auto", "classify", "lm"] = "auto"
-    # a user factory's other parameters: "num_classes=10,widths=[64,64]" (YAML values)
-    model_args: str = ""
-    # "" -> the task's default; or a user loss "package.module:function"
-    loss: str = ""
-    # Linen: the __call__ argument that switches training mode; "" = detect train/training/
-    # deterministic/use_running_average; "!name": the argument is True in eval
-    linen_train_arg: str = ""
-    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay float32
-    # mlp: synthetic classification, inputs (B, in_features) -> (B, num_classes)
-    in_features: int = 32
-    hidden: int = 128
-    depth: int = 2
-    num_classes: int = 10
-    # gpt: decoder-only transformer, tokens (B, seq_len) -> logits (B, seq_len, vocab_size)
-    vocab_size: int = 0  # 0 = the data's (bytes + end of document: 257)
-    seq_len: int = 64
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    # attention kernel: auto = cuDNN flash attention where it applies (GPU, bf16), else XLA
-    attention: Literal["auto", "cudnn", "xla"] = "auto"
-    # hold the blocks stacked, (n_layers, ...), run by one scan (always with --mesh stage=S)
-    scan_layers: bool = False
-    # activation checkpointing of each block: none | block (keep matmul outputs) | full
-    remat: Literal["none", "block", "full"] = "none"
-    # GPT-2's dropout rate, on the embeddings and each residual branch; 0: none (and no
-    # RNG stream in the model). Masks follow jaxdist.parallel.step's key contract.
-    dropout: float = 0.0
-    # gpt: the loss and the tied head in this many slices of the sequence, each slice's
-    # gradient formed at once, never the whole (B, T, vocab) logits; 0: the plain loss;
-    # -1 (auto): 8 on GPUs where 8 divides seq_len, without --shard-optimizer (the same
-    # step time, 16-32% less peak memory at GPT-2 124M/355M on an H200:
-    # experiments/PERF.md), else 0
-    loss_chunks: int = -1
-    # attention over a `seq` mesh axis: gather the keys and values, or ring (ppermute)
-    seq_attention: Literal["gather", "ring"] = "ring"
-    layer_norm_eps: float = 1e-6  # gpt: LayerNorm's epsilon (GPT-2's is 1e-5)
-    # float8 matmuls in the model's nnx.Linear layers (e4m3 forward, e5m2 gradients,
-    # per-tensor current scaling; jaxdist/models/fp8.py); master weights stay float32
-    fp8: bool = False
-    # start from these weights (a .safetensors file, or a folder with its index JSON),
-    # renamed and reshaped by --init-map (a YAML file, or a shipped map: gpt2)
-    init_from: str = ""
-    init_map: str = ""
 
 
 @dataclass
@@ -230,10 +179,11 @@ def _leaf_fields() -> list[tuple[str, dataclasses.Field, Any]]:
 
 
 def from_dict(tree: dict) -> Config:
-    """Builds a Config from a nested dict, refusing unknown sections and keys."""
+    """Builds a Config from a nested dict, refusing unknown sections and keys; the model
+    section completed from ``model_from_config``'s file where it names one."""
     classes = _section_classes()
     sections = {}
-    for name, values in (tree or {}).items():
+    for name, values in with_model_from_config(tree or {}).items():
         if name not in classes:
             raise ConfigError(f"unknown config section {name!r}; allowed: {', '.join(classes)}")
         if not isinstance(values, dict):

@@ -69,6 +69,16 @@ RANGES: dict[str, Bound] = {
     "model.dropout": SHARE,  # 1 would drop every activation
     "model.loss_chunks": at_least(-1),  # -1: auto (jaxdist.train.build_model.loss_chunks)
     "model.layer_norm_eps": POSITIVE,
+    "model.n_kv_heads": at_least(0),  # 0: n_heads
+    "model.head_dim": at_least(0),  # 0: d_model / n_heads
+    "model.ffn_dim": at_least(0),  # 0: 4 x d_model
+    "model.rms_norm_eps": POSITIVE,
+    "model.rope_theta": POSITIVE,
+    "model.rope_factor": POSITIVE,
+    "model.rope_low_freq_factor": POSITIVE,
+    "model.rope_high_freq_factor": POSITIVE,
+    "model.rope_original_max_positions": at_least(1),
+    "model.sliding_window_tokens": at_least(0),  # 0: no window
     "data.eval_fraction": SHARE,
     "data.prefetch": at_least(1),
     "data.data_workers": at_least(0),  # 0: none (the thread prefetcher only)
@@ -155,12 +165,14 @@ def validate(config) -> None:
         from jaxdist.sinks.wandb_run import parse_target
 
         parse_target(config.train.wandb)
-    if config.model.d_model % config.model.n_heads:
+    model = config.model
+    if model.d_model % model.n_heads and not (model.name == "llama" and model.head_dim):
         raise ConfigError(
-            f"model.d_model={config.model.d_model} is not divisible by "
-            f"model.n_heads={config.model.n_heads}"
+            f"model.d_model={model.d_model} is not divisible by model.n_heads={model.n_heads}"
+            + (" (with --model llama, give --head-dim)" if model.name == "llama" else "")
         )
-    check_loss_chunks(config.model)
+    check_llama(model)
+    check_loss_chunks(model)
     axis_names.parse(config.train.axis_names)  # a bad map exits 2 before anything runs
     check_process_group(config.dist)
 
@@ -180,14 +192,54 @@ def check_process_group(dist) -> None:
         raise ConfigError(f"--process-group single is one process: drop {', '.join(given)}")
 
 
+def check_llama(model) -> None:
+    """The Llama's settings that only work together: grouped heads dividing the query
+    heads, an even head size (RoPE rotates pairs), RoPE's scaling values only with the
+    scaling that reads them."""
+    if model.name != "llama":
+        return  # set for another model, jaxdist.train.build_model refuses them by name
+    if model.n_kv_heads and model.n_heads % model.n_kv_heads:
+        raise ConfigError(
+            f"--n-kv-heads {model.n_kv_heads} does not divide --n-heads {model.n_heads}: "
+            "each key/value head serves an equal group of query heads"
+        )
+    head_dim = model.head_dim or model.d_model // model.n_heads
+    if head_dim % 2:
+        raise ConfigError(f"RoPE rotates pairs of features: the head size {head_dim} is odd")
+    reads = {"rope_factor": ("linear", "llama3"), "rope_low_freq_factor": ("llama3",),
+             "rope_high_freq_factor": ("llama3",),
+             "rope_original_max_positions": ("llama3",)}  # fmt: skip
+    defaults = {f.name: f.default for f in dataclasses.fields(model)}
+    unread = [
+        f"--{key.replace('_', '-')} {getattr(model, key)}"
+        for key, types_ in reads.items()
+        if getattr(model, key) != defaults[key] and model.rope_type not in types_
+    ]
+    if unread:
+        raise ConfigError(
+            f"{', '.join(unread)}: --rope-type {model.rope_type} does not read it; "
+            "--rope-type linear reads --rope-factor, llama3 all four"
+        )
+    if model.rope_type == "llama3" and model.rope_high_freq_factor <= model.rope_low_freq_factor:
+        raise ConfigError(
+            f"--rope-high-freq-factor {model.rope_high_freq_factor} must exceed "
+            f"--rope-low-freq-factor {model.rope_low_freq_factor} (llama3 RoPE blends between)"
+        )
+
+
+FUSED_LOSS_MODELS = ("gpt", "llama")  # the built-in models with features() and head()
+
+
 def check_loss_chunks(model) -> None:
-    """``--loss-chunks``: the built-in GPT's own loss, in slices that divide the sequence."""
+    """``--loss-chunks``: a built-in model's own loss, in slices that divide the sequence."""
     chunks = model.loss_chunks
     if chunks <= 0:  # the plain loss, or auto (which picks only what applies)
         return
-    if model.name != "gpt" or model.loss:
+    if model.name not in FUSED_LOSS_MODELS or model.loss:
         what = f"--loss {model.loss}" if model.loss else f"--model {model.name}"
-        raise ConfigError(f"--loss-chunks {chunks}: only for --model gpt's own loss, not {what}")
+        raise ConfigError(
+            f"--loss-chunks {chunks}: only for --model gpt's or llama's own loss, not {what}"
+        )
     if model.seq_len % chunks:
         raise ConfigError(
             f"--loss-chunks {chunks} does not divide --seq-len {model.seq_len}: use a divisor"

@@ -153,11 +153,16 @@ def check_init_from(model: config_lib.ModelConfig, plan: run_directory.Plan) -> 
 def model_settings(meta: dict) -> dict:
     """The model settings a weight map may name, from a run's record (a checkpoint's
     meta): its model config, its --model-args, and the vocabulary the run trained with
-    (its data's, where the config left it 0)."""
+    (its data's, where the config left it 0); for the Llama, also what
+    ``jaxdist.weights.maps.hf_llama.settings`` derives."""
     model = dict(meta.get("config", {}).get("model", {}))
     names = {**model, **parse_model_args(model.get("model_args", ""))}
     if not names.get("vocab_size"):
         names["vocab_size"] = meta.get("data", {}).get("vocab_size", 0)
+    if names.get("name") == "llama":  # its defaults resolved, and the hf_* values of its maps
+        from jaxdist.weights.maps import hf_llama
+
+        names = hf_llama.settings(names)
     return names
 
 

@@ -24,7 +24,7 @@ from jaxdist.parallel.strategies import pipeline
 from jaxdist.sinks.goodput import process_clock_start
 from jaxdist.train import build_data, ending, resume
 from jaxdist.train import config as config_lib
-from jaxdist.train.build_model import model_factory, model_loss, model_task
+from jaxdist.train.build_model import STACKED, model_factory, model_loss, model_task
 from jaxdist.train.config import Config, ConfigError
 from jaxdist.train.loop import Run, finish, loop
 from jaxdist.train.optim import effective_lr, make_optimizer, make_schedule
@@ -171,7 +171,7 @@ def make_step(
     cfg, d, model_config = config.train, config.data, config.model
     if task == "lm" and not model_config.vocab_size:
         model_config = dataclasses.replace(model_config, vocab_size=data.vocab_size)
-    if mesh.shape["stage"] > 1 and model_config.name == "gpt":  # stages split a stack
+    if mesh.shape["stage"] > 1 and model_config.name in STACKED:  # stages split a stack
         model_config = dataclasses.replace(model_config, scan_layers=True)
     rules, logical_rules = load_rules(cfg.rules) if cfg.rules else (None, None)
     names = {**(logical_rules or {}), **axis_names.parse(cfg.axis_names)}  # the flag wins

@@ -5,7 +5,8 @@
 ``python -m jaxdist.export RUN_DIR --out DIR [--map MAP]`` writes a run's newest good
 checkpoint's parameters as safetensors (``export.export_run``), the map read backwards.
 ``weight_map`` is the map (its docstring and ``maps/gpt2.yaml``: the format),
-``rearrange`` the axis patterns, ``files`` the safetensors reader and writer.
+``rearrange`` the axis patterns, ``files`` the safetensors reader and writer,
+``maps.hf_llama`` Hugging Face's config.json for the Llama family's maps.
 """
 
 from jaxdist.weights.export import Exported, export_run

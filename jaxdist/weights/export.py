@@ -5,7 +5,11 @@ from: a checkpoint names its arrays, a stack's layers one by one), verified as a
 verifies it, and its parameters and batch statistics are renamed and reshaped by the
 weight map read backwards. The map's ``config_json``, filled from the run's settings,
 is written beside them: with the shipped ``gpt2`` map the folder is one that
-``transformers.GPT2LMHeadModel.from_pretrained`` loads.
+``transformers.GPT2LMHeadModel.from_pretrained`` loads; with ``llama``, ``qwen2``,
+``qwen3`` or ``mistral`` (a ``--model llama`` run) one that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads. A map's ``requires`` that
+the run's settings break (a Qwen2 export of a model without q, k, v biases) is refused
+before anything is written.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 
 from jaxdist.errors import ConfigError
 from jaxdist.weights import files, rearrange
-from jaxdist.weights.weight_map import WeightMap, fill_config, resolve
+from jaxdist.weights.weight_map import WeightMap, check_requires, fill_config, resolve
 
 KINDS = ("params", "batch_stats")  # what the file carries of the state
 
@@ -43,6 +47,7 @@ def export_run(
         raise ConfigError(f"--out {out}: exists and is not an empty folder; name a new one")
     found, arrays, meta = _restore(Path(run_dir), step)
     names = settings(meta)
+    check_requires(weight_map, names, "the run's model")
     tensors = {}
     for full, array in arrays.items():
         kind, _, name = full.partition("/")

@@ -18,7 +18,7 @@ import numpy as np
 from jaxdist.errors import ConfigError
 from jaxdist.weights import rearrange
 from jaxdist.weights.files import Reader
-from jaxdist.weights.weight_map import Rule, WeightMap, fill_config, resolve
+from jaxdist.weights.weight_map import Rule, WeightMap, check_requires, fill_config, resolve
 
 SHOWN = 12  # unmatched names listed per side; the count says how many more
 
@@ -130,6 +130,7 @@ def init_params(dp, state, path: str, weight_map: WeightMap, names: dict):
         if kind in ("params", "batch_stats"):
             model[name] = full
     reader = Reader(path)
+    check_requires(weight_map, names, "the model")
     check_config_json(reader, weight_map, names)
     sources = plan(reader, weight_map, {m: targets[f].shape for m, f in model.items()}, names)
     arrays = dp.named_state(state)
@@ -158,6 +159,10 @@ def check_config_json(reader: Reader, weight_map: WeightMap, names: dict) -> Non
     import json
 
     theirs = json.loads(config_file.read_text())
+    from jaxdist.weights.maps import hf_llama
+
+    if theirs.get("model_type") in hf_llama.FAMILIES:  # as transformers reads it
+        theirs = hf_llama.normalized(theirs, f"--init-from {reader.path}")
     ours = fill_config({k: weight_map.config_json[k] for k in weight_map.check_keys}, names)
     wrong = [
         f"{key} is {theirs[key]!r} there, {value!r} here"

@@ -12,6 +12,7 @@ A YAML file (``--init-map FILE``) or a shipped one by name (``--init-map gpt2``,
         to: tok/embedding
         pad_rows: vocab_size   # the file has vocab_size rows; the model pads its own
     ignore: [lm_head\\.weight]  # regular expressions: tensors of the file left unused
+    requires: {tie_embeddings: true}  # model settings the format fixes (below)
 
 Names: literal text with fields, ``{i}`` (digits) or ``{name:REGEX}``; a field binds the
 same text on both sides, so each rule reads both ways (``python -m jaxdist.export``
@@ -19,6 +20,11 @@ applies the map right to left). A size is a number or a name of the model's conf
 (``n_heads``, ``vocab_size``, a ``--model-args`` key). Model names are the parameter
 paths of the unstacked model (``blocks/0/qkv/kernel``: a scanned stack's layers by
 number), as checkpoints name them. Without a map, a file's names are the model's.
+
+``requires``: model settings the file's architecture fixes, each a value or a list of
+the values it allows. ``--init-from`` and export refuse a model whose settings differ
+(``check_requires``): a switch no tensor shows (a sliding window, which the Llama
+format cannot hold) would otherwise pass every shape check.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class WeightMap:
     config_json: dict = field(default_factory=dict)  # export: config.json, ${name} filled
     check_keys: list[str] = field(default_factory=list)  # import: config.json must agree
     name: str = "(none)"
+    requires: dict = field(default_factory=dict)  # setting -> value or allowed values
 
     def ignored(self, source: str) -> bool:
         return any(p.fullmatch(source) for p in self.ignore)
@@ -90,12 +97,14 @@ def load(spec: str, flag: str = "--init-map") -> WeightMap:
 
 def from_tree(tree: dict, name: str) -> WeightMap:
     """The map of a parsed YAML file; ``name`` says which in errors ("--init-map F")."""
-    unknown = set(tree) - {"params", "ignore", "config_json", "check_keys"}
+    unknown = set(tree) - {"params", "ignore", "config_json", "check_keys", "requires"}
     if unknown or not isinstance(tree.get("params"), list):
         raise ConfigError(
-            f"{name}: needs a list 'params' (and may have ignore, config_json, "
-            f"check_keys){'; unknown: ' + ', '.join(sorted(unknown)) if unknown else ''}"
+            f"{name}: needs a list 'params' (and may have ignore, config_json, check_keys, "
+            f"requires){'; unknown: ' + ', '.join(sorted(unknown)) if unknown else ''}"
         )
+    if not isinstance(tree.get("requires") or {}, dict):
+        raise ConfigError(f"{name}: 'requires' must map settings to values")
     rules = []
     for i, entry in enumerate(tree["params"]):
         if not isinstance(entry, dict) or {"from", "to"} - set(entry) or set(entry) - RULE_KEYS:
@@ -111,8 +120,21 @@ def from_tree(tree: dict, name: str) -> WeightMap:
         raise ConfigError(f"{name}: a bad 'ignore' pattern ({err})") from None
     return WeightMap(
         rules, ignore, dict(tree.get("config_json") or {}), list(tree.get("check_keys") or []),
-        name,
+        name, dict(tree.get("requires") or {}),
     )  # fmt: skip
+
+
+def check_requires(weight_map: WeightMap, names: dict, what: str) -> None:
+    """ConfigError naming each setting of ``names`` that the map's ``requires`` does not
+    allow; ``what`` says which model ("the run's model")."""
+    wrong = []
+    for key, allowed in weight_map.requires.items():
+        values = allowed if isinstance(allowed, list) else [allowed]
+        if names.get(key) not in values:
+            shown = " or ".join(repr(v) for v in values)
+            wrong.append(f"{key} is {names.get(key)!r} in {what}, the format holds {shown}")
+    if wrong:
+        raise ConfigError(f"{weight_map.name}: {'; '.join(wrong)}")
 
 
 def resolve(value, names: dict, what: str) -> int:

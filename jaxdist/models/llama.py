@@ -1,0 +1,200 @@
+"""A Llama-family decoder: tokens (B, T) int32 -> logits (B, T, vocab) (``--model llama``).
+
+Each block is pre-norm: RMSNorm, attention with rotary positions (``jaxdist.models.rope``)
+and grouped-query heads (H query heads share K key/value heads, K dividing H), RMSNorm,
+a SwiGLU MLP ``down(silu(gate(x)) * up(x))``. The switches that make it one of the family:
+
+- ``qk_norm`` (Qwen3): RMSNorm over each head's ``head_dim`` features of q and k, before RoPE;
+- ``attention_bias``: ``"qkv"`` (Qwen2) or ``"qkvo"`` (Llama's ``attention_bias``);
+- ``sliding_window`` W (Mistral): every layer attends to the W latest positions only;
+- ``tie_embeddings``: the head is the token embedding, else a table of its own (Llama);
+- ``head_dim``: where it is not d_model / n_heads (Qwen3); RoPE's ``rope_type`` and
+  ``rope_theta`` (Llama 3's ``llama3`` scaling).
+
+Parameters carry logical axis names as the GPT's do: q and o (embed, heads) and (heads,
+embed), k and v (embed, kv_heads), gate and up (embed, mlp), down (mlp, embed), the
+embedding and the untied head (vocab, embed), norms (norm); ``jaxdist.parallel.layout``
+maps them to mesh axes. The blocks are an ``nnx.List`` or, with ``scan_layers``, one
+``Stack`` (pipeline stages split it), with the same values either way. The vocabulary is
+padded as the GPT's (``padded_vocab``) and its padding sliced off the logits.
+
+Attention takes the positions of its tokens (``LlamaBlock.__call__(x, positions)``; the
+stack passes none: 0..T-1), so a KV cache for generation can run the same block on one
+new token at position t.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import initializers
+from flax.nnx.nn.linear import default_embed_init, default_kernel_init
+
+from jaxdist.models.attention import attention as split_attention
+from jaxdist.models.gpt import padded_vocab
+from jaxdist.models.rope import Rope
+from jaxdist.models.stack import Stack, call_block, check_remat
+
+BIASES = ("none", "qkv", "qkvo")
+
+
+def _linear(d_in: int, d_out: int, axes: tuple[str, str], bias: bool, **kw) -> nnx.Linear:
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=bias,
+        kernel_init=nnx.with_partitioning(default_kernel_init, axes),
+        bias_init=nnx.with_partitioning(initializers.zeros_init(), (axes[1],)),
+        **kw,
+    )
+
+
+def _rms_norm(d: int, eps: float, **kw) -> nnx.RMSNorm:
+    # mean of squares in float32 (flax promotes its statistics), scale (D,) replicated
+    return nnx.RMSNorm(
+        d, epsilon=eps, scale_init=nnx.with_partitioning(initializers.ones_init(), ("norm",)), **kw
+    )
+
+
+def _embed(rows: int, d: int, **kw) -> nnx.Embed:
+    init = nnx.with_partitioning(default_embed_init, ("vocab", "embed"))
+    return nnx.Embed(rows, d, embedding_init=init, **kw)
+
+
+def _dropout(rate: float, rngs: nnx.Rngs) -> nnx.Dropout | None:
+    """As the GPT's: none at rate 0 (then no RNG stream in the model)."""
+    return nnx.Dropout(rate, rngs=rngs) if rate else None
+
+
+def _drop(layer: nnx.Dropout | None, x: jax.Array) -> jax.Array:
+    return x if layer is None else layer(x)
+
+
+class LlamaBlock(nnx.Module):
+    def __init__(
+        self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_dim: int, *,
+        rope: Rope, eps: float, qk_norm: bool, attention_bias: str, window: int, dtype,
+        attention=None, seq_attention="ring", dropout=0.0, rngs: nnx.Rngs,
+    ):  # fmt: skip
+        if attention_bias not in BIASES:
+            raise ValueError(f"attention_bias {attention_bias!r} is not one of {BIASES}")
+        kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        qkv_bias, o_bias = attention_bias != "none", attention_bias == "qkvo"
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.rope, self.window = rope, window
+        self.attention, self.seq_attention = attention, seq_attention
+        self.drop_att, self.drop_mlp = _dropout(dropout, rngs), _dropout(dropout, rngs)
+        self.attn_norm = _rms_norm(d_model, eps, **kw)
+        # q and o split whole heads over `model` (column- then row-parallel); k and v
+        # split their K heads, where `model` divides K
+        self.q = _linear(d_model, n_heads * head_dim, ("embed", "heads"), qkv_bias, **kw)
+        self.k = _linear(d_model, n_kv_heads * head_dim, ("embed", "kv_heads"), qkv_bias, **kw)
+        self.v = _linear(d_model, n_kv_heads * head_dim, ("embed", "kv_heads"), qkv_bias, **kw)
+        self.o = _linear(n_heads * head_dim, d_model, ("heads", "embed"), o_bias, **kw)
+        self.q_norm = _rms_norm(head_dim, eps, **kw) if qk_norm else None
+        self.k_norm = _rms_norm(head_dim, eps, **kw) if qk_norm else None
+        self.mlp_norm = _rms_norm(d_model, eps, **kw)
+        self.gate = _linear(d_model, ffn_dim, ("embed", "mlp"), False, **kw)
+        self.up = _linear(d_model, ffn_dim, ("embed", "mlp"), False, **kw)
+        self.down = _linear(ffn_dim, d_model, ("mlp", "embed"), False, **kw)
+
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """(B, T, D) -> (B, T, D); ``positions`` (B, T) or (1, T) int, default 0..T-1."""
+        b, t, _ = x.shape
+        if positions is None:
+            positions = jnp.arange(t)[None]  # (1, T)
+        h = self.attn_norm(x)
+        q = self.q(h).reshape(b, t, self.n_heads, self.head_dim)  # (B, T, H, Dh)
+        k = self.k(h).reshape(b, t, self.n_kv_heads, self.head_dim)  # (B, T, K, Dh)
+        v = self.v(h).reshape(b, t, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: over Dh, per head and position
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, positions), self.rope(k, positions)
+        att = split_attention(
+            q, k, v, causal=True, seq_attention=self.seq_attention,
+            implementation=self.attention, window=self.window,
+        )  # fmt: skip
+        x = x + _drop(self.drop_att, self.o(att.reshape(b, t, self.n_heads * self.head_dim)))
+        h = self.mlp_norm(x)
+        return x + _drop(self.drop_mlp, self.down(jax.nn.silu(self.gate(h)) * self.up(h)))
+
+
+class Llama(nnx.Module):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        *,
+        n_kv_heads: int = 0,  # 0: n_heads (no grouping)
+        head_dim: int = 0,  # 0: d_model // n_heads
+        ffn_dim: int = 0,  # 0: 4 * d_model
+        rms_norm_eps: float = 1e-6,
+        rope: Rope | None = None,  # None: the default RoPE of theta 10000 at head_dim
+        qk_norm: bool = False,
+        attention_bias: str = "none",
+        sliding_window: int = 0,  # 0: every earlier position
+        tie_embeddings: bool = True,
+        dtype=jnp.float32,
+        attention: str | None = None,
+        scan_layers: bool = False,
+        remat: str = "none",
+        pad_vocab_to: int = 128,
+        dropout: float = 0.0,
+        seq_attention: str = "ring",
+        rngs: nnx.Rngs,
+    ):
+        check_remat(remat)
+        head_dim = head_dim or d_model // n_heads
+        n_kv_heads = n_kv_heads or n_heads
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_kv_heads {n_kv_heads} does not divide n_heads {n_heads}")
+        rope = rope or Rope(head_dim)
+        if rope.head_dim != head_dim:
+            raise ValueError(f"rope is for head_dim {rope.head_dim}, the heads have {head_dim}")
+        self.remat = remat
+        self.vocab_size = vocab_size  # the real vocabulary: the logits' width
+        with nnx.use_eager_sharding(False):  # names only; jaxdist.parallel.layout places them
+            kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+            rows = padded_vocab(vocab_size, pad_vocab_to)
+            self.tok = _embed(rows, d_model, **kw)
+            self.drop = _dropout(dropout, rngs)  # on the embeddings, (B, T, D)
+
+            def block(rngs):
+                return LlamaBlock(
+                    d_model, n_heads, n_kv_heads, head_dim, ffn_dim or 4 * d_model, rope=rope,
+                    eps=rms_norm_eps, qk_norm=qk_norm, attention_bias=attention_bias,
+                    window=sliding_window, dtype=dtype, attention=attention,
+                    seq_attention=seq_attention, dropout=dropout, rngs=rngs,
+                )  # fmt: skip
+
+            # as the GPT's: stacked (one scan, splittable into stages) or a list
+            if scan_layers:
+                self.blocks = Stack(block, n_layers, rngs=rngs, remat=remat)
+            else:
+                self.blocks = nnx.List([block(rngs) for _ in range(n_layers)])
+            self.norm = _rms_norm(d_model, rms_norm_eps, **kw)
+            # untied: a table of the embedding's shape, (padded vocab, D), read as the
+            # transpose of transformers' lm_head (vocab, D) and applied as tok is
+            self.lm_head = None if tie_embeddings else _embed(rows, d_model, **kw)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:  # (B, T) -> (B, T, vocab)
+        return self.head(self.features(tokens))
+
+    def features(self, tokens: jax.Array) -> jax.Array:  # (B, T) -> (B, T, D)
+        """The final RMSNorm's output at positions 0..T-1: what the head reads (and what
+        ``jaxdist.losses.make_fused_next_token_loss`` takes)."""
+        x = _drop(self.drop, self.tok(tokens))
+        if isinstance(self.blocks, Stack):
+            x = self.blocks(x)
+        else:
+            for block in self.blocks:
+                x = call_block(block, x, self.remat)
+        return self.norm(x)
+
+    def head(self, h: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, vocab)
+        # (B, T, D) @ (D, padded vocab), the padded columns cut off (see the GPT's head)
+        table = self.tok if self.lm_head is None else self.lm_head
+        return table.attend(h)[..., : self.vocab_size]
