@@ -61,14 +61,12 @@ def test_a_killed_process_is_named_and_recorded_every_time_and_the_group_resumes
         said = re.findall(rf"\[rank {survivor}\] jaxdist: error: process {victim} \(.*", text)
         recorded = [f for f in failures_of(run_dir) if f["cause"] == "dead_peer"]
         assert recorded and recorded[0]["process"] == victim, (attempt, recorded, text[-3000:])
-        # the survivor named it, or (its peer's death ended it first) the launcher recorded it
-        assert said or recorded[0]["reported_by"] == "launcher", (attempt, text[-3000:])
-        if said:  # and its line is its last word, whatever JAX's client printed before
-            before = text.split("[launch] restart 1/1")[0].splitlines()
-            mine = [x for x in before if x.startswith(f"[rank {survivor}] ")]
-            assert mine[-1].startswith(f"[rank {survivor}] jaxdist: error: process {victim}"), mine[
-                -5:
-            ]
+        # the survivor named it, even when the launcher's SIGTERM came a moment after the
+        # death; its line is its last word, whatever JAX's client printed before
+        assert said, (attempt, text[-3000:])
+        before = text.split("[launch] restart 1/1")[0].splitlines()
+        mine = [x for x in before if x.startswith(f"[rank {survivor}] ")]
+        assert mine[-1].startswith(f"[rank {survivor}] jaxdist: error: process {victim}"), mine[-5:]
         assert "[launch] restart 1/1" in text
         resumed = re.search(r"resumed from the checkpoint of step (\d+)", text)
         assert resumed and int(resumed.group(1)) >= 10, text[-3000:]
