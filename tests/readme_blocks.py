@@ -23,7 +23,13 @@ MARK = re.compile(
 # "# extra: NAME": the line needs the optional extra NAME of pyproject.toml; it runs where
 # the extra's package imports (CI's full tier installs every extra) and the block is
 # skipped, saying which install it needs, where it does not (the README's own install)
-EXTRAS = {"grain": "grain", "wandb": "wandb", "hf": "transformers", "text": "tokenizers"}
+EXTRAS = {
+    "grain": "grain",
+    "wandb": "wandb",
+    "hf": "transformers",
+    "text": "tokenizers",
+    "eval": "lm_eval",
+}
 FILE_FENCE = re.compile(r"#\s+([\w.-]+\.(?:py|yaml|yml|json|txt))$")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 SEPARATORS = {"&&", "||", ";", "|"}
