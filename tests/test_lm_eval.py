@@ -18,6 +18,11 @@ log-likelihood lm-eval used for each choice is the one jaxdist's own trained mod
 context and the continuation) within 1e-4, with the same greedy flags, and that lm-eval's
 acc and acc_norm are what those log-likelihoods give. So the harness evaluated this model.
 
+Then lm-eval's ``--model jaxdist`` (``jaxdist.evaluate.harness``) on the run directory in
+place, no export, its tokenizer the one the run's data records: the same checks, its
+rolling log-likelihood against the text's in one window, generation refused, and a
+checkpoint that is not the model's refused naming both sides.
+
 Needs the ``eval`` extra (lm-eval with its ``hf`` model: torch, transformers,
 accelerate); skipped with the reason without it.
 """
@@ -39,10 +44,13 @@ import jax  # noqa: E402
 
 from jaxdist.data import tokenizer as tokenizer_lib  # noqa: E402
 from jaxdist.data.__main__ import main as data_main  # noqa: E402
+from jaxdist.errors import ConfigError  # noqa: E402
 from jaxdist.export import main as export_main  # noqa: E402
 from jaxdist.train import config as config_lib  # noqa: E402
 from jaxdist.train.trainer import train  # noqa: E402
 
+# one worker for both tests: they share the trained, exported run (built once)
+pytestmark = pytest.mark.xdist_group("lm_eval")
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "experiments" / "lm_eval_tasks"
 TASK = "jaxdist_two_choice"
@@ -71,7 +79,7 @@ def save_tokenizer(folder: Path) -> None:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """(the finished run, the exported folder, the tokenizer folder)."""
+    """(the finished run, its run directory, the exported folder, the tokenizer folder)."""
     work = tmp_path_factory.mktemp("lm-eval")
     tokenizer = work / "bpe-512"
     save_tokenizer(tokenizer)
@@ -87,7 +95,7 @@ def exported(tmp_path_factory):
     ])  # fmt: skip
     run = train(config, quiet=True)
     assert export_main([str(run_dir), "--out", str(out), "--map", "llama"]) == 0
-    return run, out, tokenizer
+    return run, run_dir, out, tokenizer
 
 
 @pytest.fixture
@@ -104,10 +112,10 @@ def no_network(monkeypatch):
     return tried
 
 
-def evaluate(export: Path, tokenizer: Path, out: Path, monkeypatch) -> tuple[dict, Path]:
-    """lm-eval on ``export`` as its CLI runs it: results and samples written under
-    ``out``; its datasets cache in ``out`` too. From the repository's root, as the task's
-    data_files are relative to it."""
+def evaluate(model: str, model_args: dict, out: Path, monkeypatch, batch_size=2):
+    """lm-eval's ``model`` on the task as its CLI runs it: (the results it writes under
+    ``out``, the folder they are in); its datasets cache in ``out`` too. From the
+    repository's root, as the task's data_files are relative to it."""
     import datasets
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
@@ -116,12 +124,12 @@ def evaluate(export: Path, tokenizer: Path, out: Path, monkeypatch) -> tuple[dic
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", out / "datasets-cache")
     tracker = EvaluationTracker(output_path=str(out / "results"))
     results = lm_eval.simple_evaluate(
-        model="hf",
-        model_args={"pretrained": str(export), "tokenizer": str(tokenizer), "dtype": "float32"},
+        model=model,
+        model_args=model_args,
         tasks=[TASK],
         task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),  # ours alone
         device="cpu",
-        batch_size=2,
+        batch_size=batch_size,
         log_samples=True,
         evaluation_tracker=tracker,
     )
@@ -138,19 +146,19 @@ def jaxdist_loglikelihood(model, tokenizer, context: str, continuation: str):
     ctx, cont = tokenizer.encode(context), tokenizer.encode(continuation)
     logits = np.asarray(model(jax.numpy.asarray([ctx + cont]))[0], np.float64)
     scored = logits[len(ctx) - 1 : len(ctx) + len(cont) - 1]  # the rows predicting cont
-    top = scored.max(-1, keepdims=True)
-    logp = scored - top - np.log(np.exp(scored - top).sum(-1, keepdims=True))
-    total = float(logp[np.arange(len(cont)), cont].sum())
+    total = float(log_softmax(scored)[np.arange(len(cont)), cont].sum())
     return total, bool((scored.argmax(-1) == np.asarray(cont)).all())
 
 
-def test_lm_eval_scores_the_exported_model_with_jaxdists_log_likelihoods(
-    exported, tmp_path, monkeypatch, no_network
-):
-    run, export, tokenizer_folder = exported
-    results, folder = evaluate(export, tokenizer_folder, tmp_path, monkeypatch)
-    assert not no_network, f"lm-eval tried to connect: {no_network}"
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 
+
+def check_against_jaxdist(results: dict, folder: Path, run, tokenizer_folder: Path) -> float:
+    """The written metrics and samples: 2 questions of 2 choices, each choice's
+    log-likelihood the trained model's own within 1e-4, acc and acc_norm what those
+    give. Returns the largest difference."""
     metrics = results["results"][TASK]
     assert metrics["sample_len"] == 2 and results["n-samples"][TASK]["effective"] == 2
     assert 0 <= metrics["acc,none"] <= 1 and 0 <= metrics["acc_norm,none"] <= 1
@@ -160,14 +168,14 @@ def test_lm_eval_scores_the_exported_model_with_jaxdists_log_likelihoods(
 
     model = run.dp.merge(run.state)
     tokenizer = tokenizer_lib.load(tokenizer_folder)
-    right, right_norm = [], []
+    right, right_norm, gaps = [], [], []
     for sample in samples:
         requests = list(sample["arguments"].values())
         assert len(requests) == len(sample["doc"]["choices"]) == 2
+        assert [r["arg_1"] for r in requests] == [" " + c for c in sample["doc"]["choices"]]
         theirs = [(float(ll), greedy == "True") for ((ll, greedy),) in sample["resps"]]
         ours = [jaxdist_loglikelihood(model, tokenizer, r["arg_0"], r["arg_1"]) for r in requests]
-        assert [r["arg_1"] for r in requests] == [" " + c for c in sample["doc"]["choices"]]
-        gaps = [abs(a[0] - b[0]) for a, b in zip(theirs, ours, strict=True)]
+        gaps += [abs(a[0] - b[0]) for a, b in zip(theirs, ours, strict=True)]
         assert max(gaps) < 1e-4, (theirs, ours)
         assert [t[1] for t in theirs] == [o[1] for o in ours]
         assert all(ll < 0 for ll, _ in ours)
@@ -178,3 +186,59 @@ def test_lm_eval_scores_the_exported_model_with_jaxdists_log_likelihoods(
         assert (sample["acc"], sample["acc_norm"]) == (float(right[-1]), float(right_norm[-1]))
     assert metrics["acc,none"] == pytest.approx(np.mean(right))
     assert metrics["acc_norm,none"] == pytest.approx(np.mean(right_norm))
+    return max(gaps)
+
+
+def test_lm_eval_scores_the_exported_model_with_jaxdists_log_likelihoods(
+    exported, tmp_path, monkeypatch, no_network
+):
+    run, _, export, tokenizer = exported
+    args = {"pretrained": str(export), "tokenizer": str(tokenizer), "dtype": "float32"}
+    results, folder = evaluate("hf", args, tmp_path, monkeypatch)
+    assert not no_network, f"lm-eval tried to connect: {no_network}"
+    assert results["config"]["model"] == "hf"
+    gap = check_against_jaxdist(results, folder, run, tokenizer)
+    print(f"largest log-likelihood difference from jaxdist's model: {gap:.2g}")
+
+
+def test_the_jaxdist_model_scores_the_run_directory_in_place(
+    exported, tmp_path, monkeypatch, no_network
+):
+    """``--model jaxdist``: the checkpoint read in place (no export), the tokenizer the
+    one the run's data records, batches of 3 rows (4 requests: one batch padded)."""
+    from jaxdist.evaluate.harness import JaxdistLM
+    from jaxdist.evaluate.scoring import fill
+
+    run, run_dir, _, tokenizer = exported
+    results, folder = evaluate("jaxdist", {"pretrained": str(run_dir)}, tmp_path, monkeypatch, 3)
+    assert not no_network, f"lm-eval tried to connect: {no_network}"
+    assert results["config"]["model"] == "jaxdist"
+    assert folder.name == str(run_dir).replace("/", "__")  # filed under the run
+    gap = check_against_jaxdist(results, folder, run, tokenizer)
+    print(f"largest log-likelihood difference from jaxdist's model: {gap:.2g}")
+
+    class Request:  # what lm-eval hands a model: .args
+        def __init__(self, *args):
+            self.args = args
+
+    lm = JaxdistLM(pretrained=str(run_dir), tokenizer=str(tokenizer), batch_size="auto")
+    assert lm.run.step == 5 and lm.run.max_length == 32  # the run's --seq-len
+    text = "The run directory holds the checkpoints and the metrics of every step."
+    ids = lm.run.tokenizer.encode(text)
+    assert 16 < len(ids) < 32
+    model = run.dp.merge(run.state)
+    logits = np.asarray(model(jax.numpy.asarray([[lm.run.tokenizer.eos_id, *ids]]))[0, :-1])
+    logp = log_softmax(logits.astype(np.float64))[np.arange(len(ids)), ids]
+    # one window: each token after all before it (the end of document first)
+    ((whole, _),) = lm.run.loglikelihood([([lm.run.tokenizer.eos_id], ids)])
+    assert abs(whole - logp.sum()) < 1e-4
+    assert abs(lm.loglikelihood_rolling([Request(text)])[0] - logp.sum()) < 1e-4
+    # windows of 16: the later tokens see less than the whole text
+    short = JaxdistLM(pretrained=str(run_dir), tokenizer=str(tokenizer), max_length=16)
+    assert abs(short.loglikelihood_rolling([Request(text)])[0] - logp.sum()) > 1e-3
+    with pytest.raises(NotImplementedError, match="no KV cache"):
+        lm.generate_until([Request("The run", {"until": ["."]})])
+    # a checkpoint that is not the model's: refused, listing both sides
+    with pytest.raises(ConfigError, match="not in the checkpoint: params/blocks/0/") as err:
+        fill(run.dp.merge(run.state), {"params/blocks/9/q/kernel": np.zeros(1)}, run_dir)
+    assert "not in the model: params/blocks/9/q/kernel" in str(err.value)
