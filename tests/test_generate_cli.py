@@ -150,7 +150,7 @@ def test_bad_input_exits_2_with_one_line(run_dir, tmp_path, capsys, args, says):
     assert main(given) == 2
     out = capsys.readouterr()
     lines = out.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("jaxdist generate: error: "), out.err
+    assert len(lines) == 1 and lines[0].startswith("jaxdist: error: "), out.err
     assert says in lines[0], lines[0]
     assert not out.out
 
@@ -159,6 +159,6 @@ def test_the_command_exits_2_in_a_process_of_its_own(tmp_path):
     proc = run_module("jaxdist.generate", str(tmp_path / "nothing"), "--prompt", "a")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        f"jaxdist generate: error: {tmp_path / 'nothing'}: no such folder (give a run directory "
+        f"jaxdist: error: {tmp_path / 'nothing'}: no such folder (give a run directory "
         "or a Hugging Face folder with a config.json)"
     ]

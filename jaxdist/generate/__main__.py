@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except JaxdistError as err:
-        print(f"jaxdist generate: error: {err}", file=sys.stderr)
+        print(f"jaxdist: error: {err}", file=sys.stderr)
         return 2
 
 
