@@ -19,8 +19,8 @@ import yaml
 from jaxdist.data import text
 from jaxdist.errors import ConfigError
 from jaxdist.train import flags
-from jaxdist.train.config_checks import coerce, validate
 from jaxdist.train.architecture import ModelConfig, with_model_from_config
+from jaxdist.train.config_checks import coerce, validate
 from jaxdist.train.yaml_file import load_yaml
 
 Strategy = Literal["pmap", "shard_map", "gspmd"]
