@@ -45,7 +45,7 @@ def export_run(
     settings the map may name, from the checkpoint's record of its run."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out}: exists and is not an empty folder; name a new one")
-    found, arrays, meta = _restore(Path(run_dir), step)
+    found, arrays, meta = read_checkpoint(Path(run_dir), step)
     names = settings(meta)
     check_requires(weight_map, names, "the run's model")
     tensors = {}
@@ -81,7 +81,11 @@ def to_source(name: str, array: np.ndarray, weight_map: WeightMap, names: dict):
     raise ConfigError(f"{weight_map.name}: no rule names the parameter {name}")
 
 
-def _restore(run_dir: Path, step: int | None):
+def read_checkpoint(run_dir: Path, step: int | None = None):
+    """(step, {name: host array}, meta) of ``run_dir``'s checkpoint ``step`` (default:
+    the newest that passes its fingerprints), read on this host's CPU: the names are the
+    checkpoints' (``params/blocks/0/qkv/kernel``, a stack's layers one by one), the meta
+    what the run recorded beside the state (its config, its data)."""
     import jax
 
     from jaxdist.checkpoint import Checkpointer, run_directory
