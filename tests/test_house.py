@@ -48,8 +48,11 @@ def imports_of(path: Path, top_level_only: bool = False) -> set[str]:
 
 # The commands built on the trainer's config: the trainer, the planner (which compiles
 # the trainer's step for a cluster), the exporter (which reads a run's settings) and the
-# evaluator (which builds a run's model from them). The library imports none of them.
-COMMAND_LINE = ("jaxdist.train", "jaxdist.plan", "jaxdist.export", "jaxdist.evaluate")
+# generation command with its rebuilding of a run's or a folder's model (the library
+# jaxdist.generate, its loop and sampling, is below them), and the evaluator (which builds
+# a run's model from them). The library imports none of them.
+COMMAND_LINE = ("jaxdist.train", "jaxdist.plan", "jaxdist.export", "jaxdist.evaluate",
+                "jaxdist.generate.__main__", "jaxdist.generate.rebuild")  # fmt: skip
 
 
 def in_train(name: str) -> bool:
@@ -92,7 +95,7 @@ def test_the_library_does_not_import_the_command_line():
 
 
 # The commands built on the trainer: they import it, it imports none of them.
-ABOVE_THE_TRAINER = ("jaxdist.plan", "jaxdist.export", "jaxdist.evaluate")
+ABOVE_THE_TRAINER = ("jaxdist.plan", "jaxdist.export", "jaxdist.evaluate", "jaxdist.generate")
 
 
 def test_the_trainer_does_not_import_the_commands_built_on_it():

@@ -31,6 +31,8 @@ QUICK_END_TO_END = {
         "test_weights.py",
         "test_export_writes_the_trained_params_in_the_files_form_and_a_resume_skips_the_file",
     ),
+    "evaluate": ("test_lm_eval.py", "test_the_jaxdist_model_scores_the_run_directory_in_place"),
+    "generate": ("test_generate_cli.py", "test_a_run_directory_continues_each_prompt_as_alone"),
     "health": (
         "test_health_agreement.py",
         "test_a_different_global_batch_on_one_process_stops_both_before_step_1",

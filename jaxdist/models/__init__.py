@@ -4,7 +4,8 @@ scanned, with remat), ``attention`` (``jax.nn.dot_product_attention``, split ove
 ``seq`` mesh axis when the ambient mesh has one; the function, which shadows its
 module's name here), and ``as_nnx``: any Flax model (NNX, or Linen through flax's
 bridge) as an NNX module, and ``fp8_dot_general``: float8 matmuls for a linear layer
-(``jaxdist.models.fp8``). The command line's ``--model`` registry is
+(``jaxdist.models.fp8``); ``kv_cache``: the GPT's and Llama's decode path for
+generation (a fixed-size key/value cache per layer). The command line's ``--model`` registry is
 ``jaxdist.train.build_model``.
 """
 

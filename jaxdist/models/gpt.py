@@ -10,7 +10,11 @@ The token embedding has ``padded_vocab(vocab_size, pad_vocab_to)`` rows, a multi
 by default (257 -> 384, GPT-2's 50257 -> 50304), as GPT-2 and Megatron training code pads
 it: a ``model`` axis of any power of two up to 128 divides the vocabulary, the tied matmul
 gets an aligned width. The padded rows are never looked up (the data check keeps ids below
-``vocab_size``) and are sliced off the logits, which stay (B, T, vocab_size)."""
+``vocab_size``) and are sliced off the logits, which stay (B, T, vocab_size).
+
+For generation, ``init_cache`` and ``cached_features`` run the same blocks on new tokens
+at explicit positions over a KV cache (``jaxdist.models.kv_cache``; ``jaxdist.generate``
+drives them): the position table is the longest sequence the model reads (``context``)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_bias_init, default_embed_init, default_kernel_init
 
+from jaxdist.models import kv_cache
 from jaxdist.models.attention import attention as split_attention
 from jaxdist.models.stack import Stack, call_block, check_remat
 
@@ -87,17 +92,31 @@ class Block(nnx.Module):
         self.out = _linear(4 * d_model, d_model, ("mlp", "embed"), **kw)  # row-parallel
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, D)
-        b, t, d = x.shape
-        # (B, T, H, 3, D/H): each head's q, k and v are adjacent columns, so splitting the
-        # columns over `model` gives each device whole heads and no data moves.
-        qkv = self.qkv(self.ln1(x)).reshape(b, t, self.n_heads, 3, d // self.n_heads)
-        q, k, v = (qkv[:, :, :, i] for i in range(3))  # 3 x (B, T, H, D/H)
+        q, k, v = self._qkv(x)
         # cuDNN's fused flash attention on GPU (bf16), plain XLA on CPU; split over a seq
         # mesh axis, the keys and values travel (jaxdist.models.attention).
         att = split_attention(
             q, k, v, causal=True, seq_attention=self.seq_attention, implementation=self.attention
         )
-        x = x + _drop(self.drop_att, self.proj(att.reshape(b, t, d)))
+        return self._rest(x, att)
+
+    def cached(self, x: jax.Array, cache: dict, start: jax.Array):
+        """``x`` (B, T, D) at positions ``start`` (B,) onwards, attending to the cache's
+        earlier keys too -> ((B, T, D), the cache with these T written; kv_cache)."""
+        q, k, v = self._qkv(x)
+        att, cache = kv_cache.attend(q, k, v, cache, start)
+        return self._rest(x, att), cache
+
+    def _qkv(self, x: jax.Array):  # (B, T, D) -> 3 x (B, T, H, D/H)
+        b, t, d = x.shape
+        # (B, T, H, 3, D/H): each head's q, k and v are adjacent columns, so splitting the
+        # columns over `model` gives each device whole heads and no data moves.
+        qkv = self.qkv(self.ln1(x)).reshape(b, t, self.n_heads, 3, d // self.n_heads)
+        return tuple(qkv[:, :, :, i] for i in range(3))
+
+    def _rest(self, x: jax.Array, att: jax.Array) -> jax.Array:
+        """The block after attention: (B, T, D) and heads (B, T, H, D/H) -> (B, T, D)."""
+        x = x + _drop(self.drop_att, self.proj(att.reshape(x.shape)))
         return x + _drop(self.drop_mlp, self.out(jax.nn.gelu(self.fc(self.ln2(x)))))
 
 
@@ -123,6 +142,8 @@ class GPT(nnx.Module):
         check_remat(remat)
         self.remat = remat
         self.vocab_size = vocab_size  # the real vocabulary: the logits' width
+        self.context = seq_len  # the position table's rows: the longest sequence it reads
+        self.cache_shape = (n_heads, d_model // n_heads, dtype)  # a KV cache's K, Dh, dtype
         with nnx.use_eager_sharding(False):  # names only; jaxdist.parallel.layout places them
             kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
             rows = padded_vocab(vocab_size, pad_vocab_to)  # >= vocab_size, see the docstring
@@ -159,6 +180,19 @@ class GPT(nnx.Module):
             for block in self.blocks:
                 x = call_block(block, x, self.remat)
         return self.ln_f(x)
+
+    def init_cache(self, batch: int, length: int):
+        """An empty KV cache of ``length`` positions for ``batch`` rows
+        (``jaxdist.models.kv_cache``: (B, S, H, D/H) keys and values per layer)."""
+        return kv_cache.empty(self.blocks, batch, length, *self.cache_shape)
+
+    def cached_features(self, tokens: jax.Array, cache, start: jax.Array):
+        """``features`` of ``tokens`` (B, T) at positions ``start`` (B,) onwards, each
+        row attending to its cache's earlier positions -> ((B, T, D), the new cache)."""
+        positions = kv_cache.positions(start, tokens.shape[1])  # (B, T)
+        x = _drop(self.drop, self.tok(tokens) + self.pos(positions))
+        x, cache = kv_cache.run(self.blocks, x, cache, start)
+        return self.ln_f(x), cache
 
     def head(self, h: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, vocab)
         # Output head tied to the token embedding: (B, T, D) @ (D, padded vocab), then the

@@ -19,8 +19,9 @@ maps them to mesh axes. The blocks are an ``nnx.List`` or, with ``scan_layers``,
 padded as the GPT's (``padded_vocab``) and its padding sliced off the logits.
 
 Attention takes the positions of its tokens (``LlamaBlock.__call__(x, positions)``; the
-stack passes none: 0..T-1), so a KV cache for generation can run the same block on one
-new token at position t.
+stack passes none: 0..T-1). For generation, ``init_cache`` and ``cached_features`` run
+the same blocks on new tokens at explicit positions over a KV cache
+(``jaxdist.models.kv_cache``; ``jaxdist.generate`` drives it).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_embed_init, default_kernel_init
 
+from jaxdist.models import kv_cache
 from jaxdist.models.attention import attention as split_attention
 from jaxdist.models.gpt import padded_vocab
 from jaxdist.models.rope import Rope
@@ -101,20 +103,36 @@ class LlamaBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """(B, T, D) -> (B, T, D); ``positions`` (B, T) or (1, T) int, default 0..T-1."""
-        b, t, _ = x.shape
         if positions is None:
-            positions = jnp.arange(t)[None]  # (1, T)
+            positions = jnp.arange(x.shape[1])[None]  # (1, T)
+        q, k, v = self._qkv(x, positions)
+        att = split_attention(
+            q, k, v, causal=True, seq_attention=self.seq_attention,
+            implementation=self.attention, window=self.window,
+        )  # fmt: skip
+        return self._rest(x, att)
+
+    def cached(self, x: jax.Array, cache: dict, start: jax.Array):
+        """``x`` (B, T, D) at positions ``start`` (B,) onwards, attending to the cache's
+        earlier keys within the window -> ((B, T, D), the cache with these T written)."""
+        q, k, v = self._qkv(x, kv_cache.positions(start, x.shape[1]))
+        att, cache = kv_cache.attend(q, k, v, cache, start, self.window)
+        return self._rest(x, att), cache
+
+    def _qkv(self, x: jax.Array, positions: jax.Array):
+        """(B, T, D) -> q (B, T, H, Dh), k and v (B, T, K, Dh), q and k rotated."""
+        b, t, _ = x.shape
         h = self.attn_norm(x)
         q = self.q(h).reshape(b, t, self.n_heads, self.head_dim)  # (B, T, H, Dh)
         k = self.k(h).reshape(b, t, self.n_kv_heads, self.head_dim)  # (B, T, K, Dh)
         v = self.v(h).reshape(b, t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3: over Dh, per head and position
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        att = split_attention(
-            q, k, v, causal=True, seq_attention=self.seq_attention,
-            implementation=self.attention, window=self.window,
-        )  # fmt: skip
+        return self.rope(q, positions), self.rope(k, positions), v
+
+    def _rest(self, x: jax.Array, att: jax.Array) -> jax.Array:
+        """The block after attention: (B, T, D) and heads (B, T, H, Dh) -> (B, T, D)."""
+        b, t, _ = x.shape
         x = x + _drop(self.drop_att, self.o(att.reshape(b, t, self.n_heads * self.head_dim)))
         h = self.mlp_norm(x)
         return x + _drop(self.drop_mlp, self.down(jax.nn.silu(self.gate(h)) * self.up(h)))
@@ -156,6 +174,7 @@ class Llama(nnx.Module):
             raise ValueError(f"rope is for head_dim {rope.head_dim}, the heads have {head_dim}")
         self.remat = remat
         self.vocab_size = vocab_size  # the real vocabulary: the logits' width
+        self.cache_shape = (n_kv_heads, head_dim, dtype)  # a KV cache's K, Dh, dtype
         with nnx.use_eager_sharding(False):  # names only; jaxdist.parallel.layout places them
             kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
             rows = padded_vocab(vocab_size, pad_vocab_to)
@@ -193,6 +212,19 @@ class Llama(nnx.Module):
             for block in self.blocks:
                 x = call_block(block, x, self.remat)
         return self.norm(x)
+
+    def init_cache(self, batch: int, length: int):
+        """An empty KV cache of ``length`` positions for ``batch`` rows
+        (``jaxdist.models.kv_cache``: (B, S, K, Dh) keys and values per layer)."""
+        return kv_cache.empty(self.blocks, batch, length, *self.cache_shape)
+
+    def cached_features(self, tokens: jax.Array, cache, start: jax.Array):
+        """``features`` of ``tokens`` (B, T) at positions ``start`` (B,) onwards (RoPE at
+        those positions), each row attending to its cache's earlier positions ->
+        ((B, T, D), the new cache)."""
+        x = _drop(self.drop, self.tok(tokens))
+        x, cache = kv_cache.run(self.blocks, x, cache, start)
+        return self.norm(x), cache
 
     def head(self, h: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, vocab)
         # (B, T, D) @ (D, padded vocab), the padded columns cut off (see the GPT's head)
