@@ -114,11 +114,13 @@ def test_a_node_that_never_comes_ends_the_others_named(nodes):
     alone0 = nodes(0, "--nproc-per-node", "1", "--init-timeout", "5", "--", *SLEEP)
     alone1 = nodes(1, "--nproc-per-node", "1", "--init-timeout", "3", "--", *SLEEP, group=1)
     start = time.monotonic()
-    assert ended(alone0, 30) == 76, alone0.text()
-    assert time.monotonic() - start < 10
+    assert ended(alone0, 60) == 76, alone0.text()
+    # it gave up at its --init-timeout (5 s), not the default 300 s; the rest of the bound
+    # is the start-up of two launchers on a loaded machine (14 s once, CI shared)
+    assert time.monotonic() - start < 60
     assert "node 1 of 2 did not join the rendezvous 127.0.0.1:" in alone0.text()
     assert "within --init-timeout 5s; no process started; exit 76" in alone0.text()
-    assert ended(alone1, 30) == 76, alone1.text()
+    assert ended(alone1, 60) == 76, alone1.text()
     assert "node 0 is missing: its launcher's rendezvous 127.0.0.1:" in alone1.text()
     assert "[rank" not in alone0.text() + alone1.text()
 
