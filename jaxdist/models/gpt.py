@@ -24,9 +24,9 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_bias_init, default_embed_init, default_kernel_init
 
-from jaxdist.models import kv_cache
+from jaxdist.models import kv_cache, stack
 from jaxdist.models.attention import attention as split_attention
-from jaxdist.models.stack import Stack, call_block, check_remat
+from jaxdist.models.stack import check_remat
 
 
 def _linear(d_in: int, d_out: int, axes: tuple[str, str], **kw) -> nnx.Linear:
@@ -158,12 +158,7 @@ class GPT(nnx.Module):
                     seq_attention=seq_attention, layer_norm_eps=layer_norm_eps, rngs=rngs,
                 )  # fmt: skip
 
-            # Stacked: parameters (L, ...) run by one scan, and splittable into pipeline
-            # stages; a list: L separately compiled blocks (names blocks/0/..., blocks/1/...).
-            if scan_layers:
-                self.blocks = Stack(block, n_layers, rngs=rngs, remat=remat)
-            else:
-                self.blocks = nnx.List([block(rngs) for _ in range(n_layers)])
+            self.blocks = stack.blocks(block, n_layers, rngs=rngs, remat=remat, scan=scan_layers)
             self.ln_f = _layer_norm(d_model, eps=layer_norm_eps, **kw)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:  # (B, T) -> (B, T, vocab)
@@ -174,11 +169,7 @@ class GPT(nnx.Module):
         ``jaxdist.losses.make_fused_next_token_loss`` takes, never forming the logits)."""
         t = tokens.shape[1]
         x = _drop(self.drop, self.tok(tokens) + self.pos(jnp.arange(t))[None])
-        if isinstance(self.blocks, Stack):
-            x = self.blocks(x)
-        else:
-            for block in self.blocks:
-                x = call_block(block, x, self.remat)
+        x = stack.run_blocks(self.blocks, x, self.remat)
         return self.ln_f(x)
 
     def init_cache(self, batch: int, length: int):

@@ -32,11 +32,11 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_embed_init, default_kernel_init
 
-from jaxdist.models import kv_cache
+from jaxdist.models import kv_cache, stack
 from jaxdist.models.attention import attention as split_attention
 from jaxdist.models.gpt import padded_vocab
 from jaxdist.models.rope import Rope
-from jaxdist.models.stack import Stack, call_block, check_remat
+from jaxdist.models.stack import check_remat
 
 BIASES = ("none", "qkv", "qkvo")
 
@@ -189,11 +189,7 @@ class Llama(nnx.Module):
                     seq_attention=seq_attention, dropout=dropout, rngs=rngs,
                 )  # fmt: skip
 
-            # as the GPT's: stacked (one scan, splittable into stages) or a list
-            if scan_layers:
-                self.blocks = Stack(block, n_layers, rngs=rngs, remat=remat)
-            else:
-                self.blocks = nnx.List([block(rngs) for _ in range(n_layers)])
+            self.blocks = stack.blocks(block, n_layers, rngs=rngs, remat=remat, scan=scan_layers)
             self.norm = _rms_norm(d_model, rms_norm_eps, **kw)
             # untied: a table of the embedding's shape, (padded vocab, D), read as the
             # transpose of transformers' lm_head (vocab, D) and applied as tok is
@@ -206,11 +202,7 @@ class Llama(nnx.Module):
         """The final RMSNorm's output at positions 0..T-1: what the head reads (and what
         ``jaxdist.losses.make_fused_next_token_loss`` takes)."""
         x = _drop(self.drop, self.tok(tokens))
-        if isinstance(self.blocks, Stack):
-            x = self.blocks(x)
-        else:
-            for block in self.blocks:
-                x = call_block(block, x, self.remat)
+        x = stack.run_blocks(self.blocks, x, self.remat)
         return self.norm(x)
 
     def init_cache(self, batch: int, length: int):

@@ -184,6 +184,24 @@ def call_block(block: nnx.Module, x: jax.Array, remat: str) -> jax.Array:
     return block_apply(graphdef, remat)(state, x)
 
 
+def blocks(make_block: Callable, n: int, *, rngs: nnx.Rngs, remat: str, scan: bool):
+    """``n`` blocks from ``make_block(rngs)``: one ``Stack`` (parameters (L, ...) run by
+    one scan, splittable into pipeline stages) or, unscanned, an ``nnx.List`` of L
+    separately compiled blocks (named blocks/0/..., blocks/1/...); the same values."""
+    if scan:
+        return Stack(make_block, n, rngs=rngs, remat=remat)
+    return nnx.List([make_block(rngs) for _ in range(n)])
+
+
+def run_blocks(layers, x: jax.Array, remat: str) -> jax.Array:
+    """``x`` through ``blocks(...)``'s layers in order, (B, T, D) -> (B, T, D)."""
+    if isinstance(layers, Stack):
+        return layers(x)
+    for block in layers:
+        x = call_block(block, x, remat)
+    return x
+
+
 @contextlib.contextmanager
 def runner(fn: Callable | None):
     """Within this context every ``Stack`` runs as ``fn(apply, stacked, x)``."""
