@@ -113,7 +113,7 @@ def for_run(run, batch) -> StepFlops:
             n_params(run.dp, program), model.n_layers, model.d_model, model.seq_len
         )
         analytic = per_token * cfg.global_batch_size * model.seq_len
-    elif model.name == "llama":
+    elif model.name in ("llama", "gemma"):
         head_dim = model.head_dim or model.d_model // model.n_heads
         matmul = llama_matmul_params(run.dp, program, model.tie_embeddings)
         per_token = llama_flops_per_token(

@@ -52,20 +52,22 @@ def make_fused_next_token_loss(chunks: int):
         # the head's table: the token embedding (tied), or the Llama's own untied head
         head = getattr(model, "lm_head", None) or model.tok
         table = head.embedding[...].astype(head.dtype or h.dtype)  # (rows, D)
-        loss = fused_cross_entropy(h, table, tokens[:, 1:], chunks, model.vocab_size)
+        softcap = getattr(model, "final_softcap", 0.0)  # Gemma's logits, c tanh(s / c)
+        loss = fused_cross_entropy(h, table, tokens[:, 1:], chunks, model.vocab_size, softcap)
         return loss, {}
 
     return fused_next_token_loss
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def fused_cross_entropy(h, table, labels, chunks: int, vocab: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def fused_cross_entropy(h, table, labels, chunks: int, vocab: int, softcap: float = 0.0):
     """Mean over (B, T) of the cross-entropy of ``h @ table.T`` (its first ``vocab``
-    columns) against ``labels``; h (B, T, D), table (rows, D), labels (B, T) int."""
-    return _fused_loss_and_grads(h, table, labels, chunks, vocab)[0]
+    columns; soft-capped, c tanh(s / c), where ``softcap`` c > 0) against ``labels``;
+    h (B, T, D), table (rows, D), labels (B, T) int."""
+    return _fused_loss_and_grads(h, table, labels, chunks, vocab, softcap)[0]
 
 
-def _fused_loss_and_grads(h, table, labels, chunks: int, vocab: int):
+def _fused_loss_and_grads(h, table, labels, chunks: int, vocab: int, softcap: float = 0.0):
     """The loss and its gradients with respect to h and table, ``chunks`` slices of T
     at a time (the batch axis, which data parallelism splits, stays whole in each)."""
     b, t, d = h.shape
@@ -77,11 +79,15 @@ def _fused_loss_and_grads(h, table, labels, chunks: int, vocab: int):
         h_c, labels_c = xs
         logits = jnp.einsum("btd,vd->btv", h_c, table, preferred_element_type=jnp.float32)
         logits = logits[..., :vocab]  # (B, T/C, vocab), float32
+        if softcap:
+            logits = softcap * jnp.tanh(logits / softcap)
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, labels_c[..., None], axis=-1)[..., 0]
         # d(mean loss)/d(logits) = (softmax - one_hot) / n, in the compute dtype as the
         # unfused path's logits gradient is; padded rows of the table get none
         grad = (jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(labels_c, vocab)) / n
+        if softcap:  # through c tanh(s / c): times 1 - tanh^2
+            grad = grad * (1.0 - jnp.square(logits / softcap))
         grad = jnp.pad(grad.astype(h.dtype), ((0, 0), (0, 0), (0, rows - vocab)))
         d_h = jnp.einsum("btv,vd->btd", grad, table)
         d_table += jnp.einsum("btv,btd->vd", grad, h_c, preferred_element_type=jnp.float32)
@@ -93,7 +99,7 @@ def _fused_loss_and_grads(h, table, labels, chunks: int, vocab: int):
     return nats.sum() / n, (d_h, d_table.astype(table.dtype))
 
 
-def _fused_backward(chunks, vocab, grads, g):
+def _fused_backward(chunks, vocab, softcap, grads, g):
     d_h, d_table = grads  # computed in the forward pass: scaled by the incoming gradient
     return (d_h * g.astype(d_h.dtype), d_table * g.astype(d_table.dtype), None)
 

@@ -50,6 +50,24 @@ def test_value_and_gradients_equal_optax_on_the_whole_logits(chunks):
     np.testing.assert_allclose(twice, 2 * want_h, rtol=1e-5, atol=1e-8)
 
 
+def test_soft_capped_logits_equal_optax_on_the_capped_whole_logits():
+    # Gemma's final soft-cap, c tanh(s / c), inside the chunks: its gradient too
+    h, table, labels = inputs(jnp.float32)
+
+    def capped(h, table, labels):
+        logits = 1.5 * jnp.tanh((h @ table.T)[..., :VOCAB] / 1.5)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    want, (want_h, want_table) = jax.value_and_grad(capped, (0, 1))(h, table, labels)
+    got, (got_h, got_table) = jax.value_and_grad(fused_cross_entropy, (0, 1))(
+        h, table, labels, 4, VOCAB, 1.5
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(got_h, want_h, rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(got_table, want_table, rtol=1e-5, atol=1e-8)
+    assert abs(float(got) - float(plain_loss(h, table, labels))) > 1e-2  # the cap bites
+
+
 def test_bfloat16_stays_close_to_the_plain_loss():
     h, table, labels = inputs(jnp.bfloat16)
     want, (want_h, _) = jax.value_and_grad(plain_loss, (0, 1))(h, table, labels)

@@ -190,6 +190,13 @@ def hf_folder(tmp_path, family):
             num_attention_heads=HEADS, num_key_value_heads=2, tie_word_embeddings=False,
             rope_parameters=rope, bos_token_id=None, eos_token_id=None, pad_token_id=None,
         )  # fmt: skip
+    elif family == "gemma2":  # layers 0 and 2 slide over 4 positions; soft-capped logits
+        config = transformers.Gemma2Config(
+            vocab_size=VOCAB, hidden_size=D, intermediate_size=48, num_hidden_layers=4,
+            num_attention_heads=HEADS, num_key_value_heads=2, head_dim=16, sliding_window=4,
+            query_pre_attn_scalar=12, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        )  # fmt: skip
     else:
         config = transformers.GPT2Config(
             vocab_size=VOCAB, n_positions=64, n_embd=D, n_layer=LAYERS, n_head=HEADS,
@@ -214,13 +221,13 @@ def hf_greedy(model, prompt, steps):
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
 def test_greedy_tokens_are_transformers(tmp_path, family):
     from jaxdist.generate.rebuild import rebuild
 
     theirs = hf_folder(tmp_path, family)
     rebuilt = rebuild(tmp_path)
-    assert rebuilt.context == (2048 if family == "llama" else 64)
+    assert rebuilt.context == {"llama": 2048, "gpt2": 64, "gemma2": 8192}[family]
     ours = generate(rebuilt.model, PROMPTS, 20, context=rebuilt.context)
     for row, prompt in enumerate(PROMPTS):
         assert ours.ids[row] == hf_greedy(theirs, prompt, 20), (family, row)

@@ -178,8 +178,12 @@ def test_files_stay_short():
 # Pairs whose shared word is the point of the names, each with what tells them apart.
 DISTINCT = {
     ("tokenizer", "tokens"): "a tokenizer (text -> ids), and the token files of ids",
+    ("hf_gemma", "hf_llama"): "Hugging Face config.json translations, one per family, "
+    "beside the maps (hf_llama: the Llama's keys; hf_gemma: what Gemma 2 adds to them)",
     ("build_data", "build_model"): "the command line builds data and models from config",
     ("config", "config_checks"): "the config, and what each of its values may be",
+    ("architecture", "architecture_checks"): "the config's model section, and which of its "
+    "settings work together",
     ("step", "step_checks"): "the step, and the checks of its outputs on the host",
     ("run_directory", "run_health"): "the run's directory, and the run's health wiring",
     ("run_directory", "run_sinks"): "the run's directory, and the run's reporting wiring",

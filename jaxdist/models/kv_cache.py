@@ -44,21 +44,31 @@ def positions(start: jax.Array, t: int) -> jax.Array:
     return start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
 
 
-def attend(q, k, v, cache: dict, start: jax.Array, window: int = 0):
-    """``k``, ``v`` (B, T, K, Dh) written into ``cache`` at slots ``start`` (B,), then
-    ``q`` (B, T, H, Dh) attended over the cache -> ((B, T, H, Dh), the new cache)."""
+def write(cache: dict, k, v, start: jax.Array) -> dict:
+    """``k``, ``v`` (B, T, K, Dh) written into ``cache`` at slots ``start`` (B,)."""
 
-    def write(into, new):  # one row: (S, K, Dh) <- (T, K, Dh) at slot s
+    def put(into, new):  # one row: (S, K, Dh) <- (T, K, Dh) at slot s
         return jax.vmap(lambda c, n, s: lax.dynamic_update_slice(c, n, (s, 0, 0)))(
             into, new.astype(into.dtype), start
         )
 
-    cache = {"k": write(cache["k"], k), "v": write(cache["v"], v)}
-    t, s = q.shape[1], cache["k"].shape[1]
-    behind = positions(start, t)[:, :, None] - jnp.arange(s)[None, None]  # (B, T, S)
-    mask = behind >= 0
+    return {"k": put(cache["k"], k), "v": put(cache["v"], v)}
+
+
+def behind(start: jax.Array, t: int, slots: int) -> jax.Array:
+    """(B, T, S) int: how many positions slot j lies behind each of the T new queries
+    (negative: ahead of it, not yet visible)."""
+    return positions(start, t)[:, :, None] - jnp.arange(slots)[None, None]
+
+
+def attend(q, k, v, cache: dict, start: jax.Array, window: int = 0):
+    """``k``, ``v`` (B, T, K, Dh) written into ``cache`` at slots ``start`` (B,), then
+    ``q`` (B, T, H, Dh) attended over the cache -> ((B, T, H, Dh), the new cache)."""
+    cache = write(cache, k, v, start)
+    distance = behind(start, q.shape[1], cache["k"].shape[1])  # (B, T, S)
+    mask = distance >= 0
     if window:  # the W latest positions, the query's own included (the training mask's)
-        mask = mask & (behind < window)
+        mask = mask & (distance < window)
     # (B, 1, T, S): the same mask for every head; XLA's kernel, as training's on CPU
     att = jax.nn.dot_product_attention(
         q, cache["k"], cache["v"], mask=mask[:, None], implementation="xla"
@@ -66,19 +76,23 @@ def attend(q, k, v, cache: dict, start: jax.Array, window: int = 0):
     return att, cache
 
 
-def run(blocks, x: jax.Array, cache, start: jax.Array):
+def run(blocks, x: jax.Array, cache, start: jax.Array, kinds: tuple[int, ...] | None = None):
     """``x`` (B, T, D) through ``blocks`` in order, each reading and writing its layer's
-    cache -> (x, the new cache)."""
+    cache -> (x, the new cache). Layers with kinds (``jaxdist.models.stack``) decode with
+    ``cached(..., kind=k)``: a Stack's own, an unscanned list's ``kinds``."""
     if isinstance(blocks, Stack):  # scanned: the carry is x, the per-layer caches are xs
         graphdef, stacked = nnx.split(blocks.layers)
+        kinds = None if blocks.kinds is None else jnp.asarray(blocks.kinds, jnp.int32)
 
-        def layer(h, both):
-            state, layer_cache = both
-            return nnx.merge(graphdef, state).cached(h, layer_cache, start)
+        def layer(h, xs):
+            state, layer_cache, kind = xs
+            kw = {} if kind is None else {"kind": kind}
+            return nnx.merge(graphdef, state).cached(h, layer_cache, start, **kw)
 
-        return lax.scan(layer, x, (stacked, cache))
+        return lax.scan(layer, x, (stacked, cache, kinds))
     out = []
-    for block, layer_cache in zip(blocks, cache, strict=True):
-        x, layer_cache = block.cached(x, layer_cache, start)
+    for i, (block, layer_cache) in enumerate(zip(blocks, cache, strict=True)):
+        kw = {} if kinds is None else {"kind": kinds[i]}
+        x, layer_cache = block.cached(x, layer_cache, start, **kw)
         out.append(layer_cache)
     return x, out

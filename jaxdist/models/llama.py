@@ -52,7 +52,7 @@ def _linear(d_in: int, d_out: int, axes: tuple[str, str], bias: bool, **kw) -> n
     )
 
 
-def _rms_norm(d: int, eps: float, **kw) -> nnx.RMSNorm:
+def rms_norm(d: int, eps: float, **kw) -> nnx.RMSNorm:
     # mean of squares in float32 (flax promotes its statistics), scale (D,) replicated
     return nnx.RMSNorm(
         d, epsilon=eps, scale_init=nnx.with_partitioning(initializers.ones_init(), ("norm",)), **kw
@@ -77,26 +77,27 @@ class LlamaBlock(nnx.Module):
     def __init__(
         self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_dim: int, *,
         rope: Rope, eps: float, qk_norm: bool, attention_bias: str, window: int, dtype,
-        attention=None, seq_attention="ring", dropout=0.0, rngs: nnx.Rngs,
+        attention=None, seq_attention="ring", dropout=0.0, norm=None, rngs: nnx.Rngs,
     ):  # fmt: skip
         if attention_bias not in BIASES:
             raise ValueError(f"attention_bias {attention_bias!r} is not one of {BIASES}")
         kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        norm = norm or rms_norm  # (d, eps, **kw) -> a norm over d features
         qkv_bias, o_bias = attention_bias != "none", attention_bias == "qkvo"
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rope, self.window = rope, window
         self.attention, self.seq_attention = attention, seq_attention
         self.drop_att, self.drop_mlp = _dropout(dropout, rngs), _dropout(dropout, rngs)
-        self.attn_norm = _rms_norm(d_model, eps, **kw)
+        self.attn_norm = norm(d_model, eps, **kw)
         # q and o split whole heads over `model` (column- then row-parallel); k and v
         # split their K heads, where `model` divides K
         self.q = _linear(d_model, n_heads * head_dim, ("embed", "heads"), qkv_bias, **kw)
         self.k = _linear(d_model, n_kv_heads * head_dim, ("embed", "kv_heads"), qkv_bias, **kw)
         self.v = _linear(d_model, n_kv_heads * head_dim, ("embed", "kv_heads"), qkv_bias, **kw)
         self.o = _linear(n_heads * head_dim, d_model, ("heads", "embed"), o_bias, **kw)
-        self.q_norm = _rms_norm(head_dim, eps, **kw) if qk_norm else None
-        self.k_norm = _rms_norm(head_dim, eps, **kw) if qk_norm else None
-        self.mlp_norm = _rms_norm(d_model, eps, **kw)
+        self.q_norm = norm(head_dim, eps, **kw) if qk_norm else None
+        self.k_norm = norm(head_dim, eps, **kw) if qk_norm else None
+        self.mlp_norm = norm(d_model, eps, **kw)
         self.gate = _linear(d_model, ffn_dim, ("embed", "mlp"), False, **kw)
         self.up = _linear(d_model, ffn_dim, ("embed", "mlp"), False, **kw)
         self.down = _linear(ffn_dim, d_model, ("mlp", "embed"), False, **kw)
@@ -139,6 +140,13 @@ class LlamaBlock(nnx.Module):
 
 
 class Llama(nnx.Module):
+    """The decoder; ``block`` (a ``LlamaBlock`` subclass's constructor, with its own
+    options bound) and ``kinds`` (one int per layer, each block called with its own:
+    ``jaxdist.models.stack``) are how a family of the same shape builds on it (Gemma)."""
+
+    # (d, eps, **kw) -> a norm over d features: the blocks' and the final one
+    make_norm = staticmethod(rms_norm)
+
     def __init__(
         self,
         vocab_size: int,
@@ -162,6 +170,8 @@ class Llama(nnx.Module):
         pad_vocab_to: int = 128,
         dropout: float = 0.0,
         seq_attention: str = "ring",
+        block=LlamaBlock,
+        kinds: tuple[int, ...] | None = None,
         rngs: nnx.Rngs,
     ):
         check_remat(remat)
@@ -172,7 +182,7 @@ class Llama(nnx.Module):
         rope = rope or Rope(head_dim)
         if rope.head_dim != head_dim:
             raise ValueError(f"rope is for head_dim {rope.head_dim}, the heads have {head_dim}")
-        self.remat = remat
+        self.remat, self.kinds = remat, kinds
         self.vocab_size = vocab_size  # the real vocabulary: the logits' width
         self.cache_shape = (n_kv_heads, head_dim, dtype)  # a KV cache's K, Dh, dtype
         with nnx.use_eager_sharding(False):  # names only; jaxdist.parallel.layout places them
@@ -181,16 +191,18 @@ class Llama(nnx.Module):
             self.tok = _embed(rows, d_model, **kw)
             self.drop = _dropout(dropout, rngs)  # on the embeddings, (B, T, D)
 
-            def block(rngs):
-                return LlamaBlock(
+            def make_block(rngs):
+                return block(
                     d_model, n_heads, n_kv_heads, head_dim, ffn_dim or 4 * d_model, rope=rope,
                     eps=rms_norm_eps, qk_norm=qk_norm, attention_bias=attention_bias,
                     window=sliding_window, dtype=dtype, attention=attention,
-                    seq_attention=seq_attention, dropout=dropout, rngs=rngs,
+                    seq_attention=seq_attention, dropout=dropout, norm=self.make_norm, rngs=rngs,
                 )  # fmt: skip
 
-            self.blocks = stack.blocks(block, n_layers, rngs=rngs, remat=remat, scan=scan_layers)
-            self.norm = _rms_norm(d_model, rms_norm_eps, **kw)
+            self.blocks = stack.blocks(
+                make_block, n_layers, rngs=rngs, remat=remat, scan=scan_layers, kinds=kinds
+            )
+            self.norm = self.make_norm(d_model, rms_norm_eps, **kw)
             # untied: a table of the embedding's shape, (padded vocab, D), read as the
             # transpose of transformers' lm_head (vocab, D) and applied as tok is
             self.lm_head = None if tie_embeddings else _embed(rows, d_model, **kw)
@@ -198,11 +210,13 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:  # (B, T) -> (B, T, vocab)
         return self.head(self.features(tokens))
 
+    def embed(self, tokens: jax.Array) -> jax.Array:  # (B, T) -> (B, T, D)
+        return _drop(self.drop, self.tok(tokens))
+
     def features(self, tokens: jax.Array) -> jax.Array:  # (B, T) -> (B, T, D)
         """The final RMSNorm's output at positions 0..T-1: what the head reads (and what
         ``jaxdist.losses.make_fused_next_token_loss`` takes)."""
-        x = _drop(self.drop, self.tok(tokens))
-        x = stack.run_blocks(self.blocks, x, self.remat)
+        x = stack.run_blocks(self.blocks, self.embed(tokens), self.remat, self.kinds)
         return self.norm(x)
 
     def init_cache(self, batch: int, length: int):
@@ -214,8 +228,7 @@ class Llama(nnx.Module):
         """``features`` of ``tokens`` (B, T) at positions ``start`` (B,) onwards (RoPE at
         those positions), each row attending to its cache's earlier positions ->
         ((B, T, D), the new cache)."""
-        x = _drop(self.drop, self.tok(tokens))
-        x, cache = kv_cache.run(self.blocks, x, cache, start)
+        x, cache = kv_cache.run(self.blocks, self.embed(tokens), cache, start, self.kinds)
         return self.norm(x), cache
 
     def head(self, h: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, vocab)

@@ -17,6 +17,12 @@ the forward pass and back for the backward pass, instead of kept in device memor
 A stack is the same model as the list of its blocks: layer i starts from exactly the
 values block i of ``nnx.List([make_block(rngs) for _ in range(n)])`` starts from, drawn
 from the same keys, so ``--scan-layers`` and pipeline stages never change the model.
+
+Blocks alike in their parameters may differ in one setting (Gemma's layers alternate a
+sliding window with global attention): ``kinds``, one int per layer, calls layer i as
+``block(x, kind=kinds[i])``. Under the scan the kinds travel as an (L,) int32 array
+beside the stacked parameters, so every runner (pipeline stages, fsdp's layer gathers)
+slices them with the layers; unscanned, block i gets ``kinds[i]`` as a Python int.
 """
 
 from __future__ import annotations
@@ -60,8 +66,12 @@ class Stack(nnx.Module):
         x = self.blocks(x)  # (B, T, D) -> (B, T, D), the blocks in order
     """
 
-    def __init__(self, make_block: Callable, n: int, *, rngs: nnx.Rngs, remat: str = "none"):
+    def __init__(
+        self, make_block: Callable, n: int, *, rngs: nnx.Rngs, remat: str = "none",
+        kinds: tuple[int, ...] | None = None,
+    ):  # fmt: skip
         check_remat(remat)
+        self.kinds = _checked_kinds(kinds, n)
         self.layers = make_layers(make_block, n, rngs)
         for path, node in nnx.iter_graph(self.layers):
             if isinstance(node, nnx.Variable):
@@ -70,9 +80,20 @@ class Stack(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         graphdef, stacked = nnx.split(self.layers)
-        apply = block_apply(graphdef, self.remat)
+        apply = block_apply(graphdef, self.remat, with_kind=self.kinds is not None)
         run = _RUNNER.get() or scan_layers
+        if self.kinds is not None:  # (state, (L,) kinds): sliced with the layers
+            stacked = (stacked, jnp.asarray(self.kinds, jnp.int32))
         return run(apply, stacked, x)
+
+
+def _checked_kinds(kinds, n: int) -> tuple[int, ...] | None:
+    if kinds is None:
+        return None
+    kinds = tuple(int(k) for k in kinds)
+    if len(kinds) != n:
+        raise ValueError(f"Stack: {len(kinds)} kinds for {n} layers")
+    return kinds
 
 
 def make_layers(make_block: Callable, n: int, rngs: nnx.Rngs) -> nnx.Module:
@@ -157,48 +178,61 @@ class BlockApply:
     activations included (with ``--remat full`` the 100B GPT's attention scores for all
     80 layers: 1.4 TiB per device instead of ~60 GiB)."""
 
-    def __init__(self, graphdef: nnx.GraphDef, remat: str):
-        self.graphdef = graphdef
+    def __init__(self, graphdef: nnx.GraphDef, remat: str, with_kind: bool = False):
+        self.graphdef, self.with_kind = graphdef, with_kind
         remat = _offloaded(remat)
         self.policy = _POLICIES.get(remat, jax.checkpoint_policies.everything_saveable)
         checkpointed = jax.checkpoint(self.plain, policy=self.policy)
         self._run = self.plain if remat == "none" else checkpointed
 
     def plain(self, state, x):
+        if self.with_kind:  # (block state, its kind): Stack's kinds
+            state, kind = state
+            return nnx.merge(self.graphdef, state)(x, kind=kind)
         return nnx.merge(self.graphdef, state)(x)
 
     def __call__(self, state, x):
         return self._run(state, x)
 
 
-def block_apply(graphdef: nnx.GraphDef, remat: str) -> BlockApply:
-    """``(block_state, x) -> block(x)``, checkpointed as ``remat`` says."""
-    return BlockApply(graphdef, remat)
+def block_apply(graphdef: nnx.GraphDef, remat: str, with_kind: bool = False) -> BlockApply:
+    """``(block_state, x) -> block(x)``, checkpointed as ``remat`` says; ``with_kind``:
+    ``((block_state, kind), x) -> block(x, kind=kind)``."""
+    return BlockApply(graphdef, remat, with_kind)
 
 
-def call_block(block: nnx.Module, x: jax.Array, remat: str) -> jax.Array:
-    """``block(x)`` for one block outside a stack, checkpointed as ``remat`` says."""
+def call_block(block: nnx.Module, x: jax.Array, remat: str, kind: int | None = None) -> jax.Array:
+    """``block(x)`` (``block(x, kind=kind)``) for one block outside a stack,
+    checkpointed as ``remat`` says."""
+    kw = {} if kind is None else {"kind": kind}
     if remat == "none" and _OFFLOADED.get() is None:
-        return block(x)
+        return block(x, **kw)
     graphdef, state = nnx.split(block)
-    return block_apply(graphdef, remat)(state, x)
+    if kind is None:
+        return block_apply(graphdef, remat)(state, x)
+    return block_apply(graphdef, remat, with_kind=True)((state, kind), x)
 
 
-def blocks(make_block: Callable, n: int, *, rngs: nnx.Rngs, remat: str, scan: bool):
+def blocks(make_block: Callable, n: int, *, rngs: nnx.Rngs, remat: str, scan: bool,
+           kinds: tuple[int, ...] | None = None):  # fmt: skip
     """``n`` blocks from ``make_block(rngs)``: one ``Stack`` (parameters (L, ...) run by
     one scan, splittable into pipeline stages) or, unscanned, an ``nnx.List`` of L
-    separately compiled blocks (named blocks/0/..., blocks/1/...); the same values."""
+    separately compiled blocks (named blocks/0/..., blocks/1/...); the same values.
+    ``kinds``: each layer's kind, given to its call (``Stack``); ``run_blocks`` passes
+    them to an unscanned list."""
     if scan:
-        return Stack(make_block, n, rngs=rngs, remat=remat)
+        return Stack(make_block, n, rngs=rngs, remat=remat, kinds=kinds)
+    _checked_kinds(kinds, n)
     return nnx.List([make_block(rngs) for _ in range(n)])
 
 
-def run_blocks(layers, x: jax.Array, remat: str) -> jax.Array:
-    """``x`` through ``blocks(...)``'s layers in order, (B, T, D) -> (B, T, D)."""
+def run_blocks(layers, x: jax.Array, remat: str, kinds: tuple[int, ...] | None = None):
+    """``x`` through ``blocks(...)``'s layers in order, (B, T, D) -> (B, T, D); an
+    unscanned list's block i called with ``kind=kinds[i]`` (a Stack holds its own)."""
     if isinstance(layers, Stack):
         return layers(x)
-    for block in layers:
-        x = call_block(block, x, remat)
+    for i, block in enumerate(layers):
+        x = call_block(block, x, remat, None if kinds is None else kinds[i])
     return x
 
 

@@ -15,10 +15,10 @@ from jaxdist.train.config_checks import coerce, flag_name
 
 @dataclass
 class ModelConfig:
-    # built-in name ("mlp", "gpt", "llama") or a user factory "package.module:function"
+    # built-in name ("mlp", "gpt", "llama", "gemma") or a user factory "package.module:function"
     name: str = field(default="mlp", metadata={"flag": "--model"})
-    # what the model does, so which data and default loss: auto = gpt, llama -> lm, else
-    # classify
+    # what the model does, so which data and default loss: auto = gpt, llama, gemma -> lm,
+    # else classify
     task: Literal["auto", "classify", "lm"] = "auto"
     # a user factory's other parameters: "num_classes=10,widths=[64,64]" (YAML values)
     model_args: str = ""
@@ -77,16 +77,24 @@ class ModelConfig:
     # every layer; 0: to all earlier ones
     sliding_window_tokens: int = 0
     tie_embeddings: bool = True  # the head is the token embedding; false: a head of its own
-    # a Hugging Face folder (or its config.json) of model_type llama, qwen2, qwen3 or
-    # mistral: --model llama and the flags above from it (a flag given that disagrees
-    # with the file: exit 2, naming both)
+    # gemma: the Llama's flags above, Gemma 2's blocks (jaxdist/models/gemma.py), and:
+    attn_softcap: float = 0.0  # attention logits soft-capped, c tanh(s / c); 0: none
+    final_softcap: float = 0.0  # the output logits soft-capped likewise; 0: none
+    # attention logits scaled by 1/sqrt(this) (query_pre_attn_scalar); 0: head_dim
+    query_scale_dim: int = 0
+    # every N-th layer (layer i with (i + 1) % N == 0) attends to all earlier positions,
+    # the others within --sliding-window-tokens; 0: all within it (Gemma 2: N = 2)
+    global_layer_every: int = 0
+    # a Hugging Face folder (or its config.json) of model_type llama, qwen2, qwen3,
+    # mistral (--model llama) or gemma2 (--model gemma): the model and its flags from it
+    # (a flag given that disagrees with the file: exit 2, naming both)
     model_from_config: str = ""
     # float8 matmuls in the model's nnx.Linear layers (e4m3 forward, e5m2 gradients,
     # per-tensor current scaling; jaxdist/models/fp8.py); master weights stay float32
     fp8: bool = False
     # start from these weights (a .safetensors file, or a folder with its index JSON),
     # renamed and reshaped by --init-map (a YAML file, or a shipped map: gpt2, llama,
-    # qwen2, qwen3, mistral)
+    # qwen2, qwen3, mistral, gemma2)
     init_from: str = ""
     init_map: str = ""
 

@@ -57,7 +57,7 @@ def _gpt(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
     )
 
 
-def _llama(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+def _llama(cfg: ModelConfig, rngs: nnx.Rngs, **family) -> nnx.Module:
     from jaxdist.models.llama import Llama
     from jaxdist.models.rope import Rope
 
@@ -66,7 +66,8 @@ def _llama(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
         head_dim, cfg.rope_theta, cfg.rope_type, cfg.rope_factor, cfg.rope_low_freq_factor,
         cfg.rope_high_freq_factor, cfg.rope_original_max_positions,
     )  # fmt: skip
-    return Llama(
+    model = family.pop("model", Llama)
+    return model(
         cfg.vocab_size or BYTE_VOCAB,
         cfg.d_model,
         cfg.n_layers,
@@ -87,25 +88,37 @@ def _llama(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
         dropout=cfg.dropout,
         seq_attention=cfg.seq_attention,
         rngs=rngs,
+        **family,
     )
+
+
+def _gemma(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    from jaxdist.models.gemma import Gemma
+
+    return _llama(
+        cfg, rngs, model=Gemma, attn_softcap=cfg.attn_softcap, final_softcap=cfg.final_softcap,
+        query_scale_dim=cfg.query_scale_dim, global_layer_every=cfg.global_layer_every,
+    )  # fmt: skip
 
 
 BUILTIN = {
     "mlp": ModelSpec(_mlp, "classify"),
     "gpt": ModelSpec(_gpt, "lm"),
     "llama": ModelSpec(_llama, "lm"),
+    "gemma": ModelSpec(_gemma, "lm"),
 }
 # The built-in models whose blocks are a Stack under --scan-layers (always with stages)
-STACKED = ("gpt", "llama")
+STACKED = ("gpt", "llama", "gemma")
 
 
 def attention_kernel(cfg: ModelConfig) -> str:
     """``auto``: cuDNN's fused flash attention on GPU in bf16 (jax.nn.dot_product_attention
-    itself defaults to the XLA kernel, about half the speed on an H100), else XLA."""
+    itself defaults to the XLA kernel, about half the speed on an H100), else XLA. Gemma:
+    XLA's (no fused kernel soft-caps logits; cudnn is refused by the config check)."""
     if cfg.attention != "auto":
         return cfg.attention
-    import jax
-
+    if cfg.name == "gemma":
+        return "xla"
     return "cudnn" if jax.default_backend() == "gpu" and cfg.dtype == "bfloat16" else "xla"
 
 
@@ -202,27 +215,38 @@ LLAMA_FLAGS = {
     "rope_original_max_positions": 8192, "qk_norm": False, "attention_bias": "none",
     "sliding_window_tokens": 0, "tie_embeddings": True, "model_from_config": "",
 }  # fmt: skip
-READS = {"gpt": GPT_FLAGS, "llama": LLAMA_FLAGS}  # the built-in models that read flags
+GEMMA_FLAGS = {**LLAMA_FLAGS, "attn_softcap": 0.0, "final_softcap": 0.0, "query_scale_dim": 0,
+               "global_layer_every": 0}  # fmt: skip
+# the built-in models that read flags
+READS = {"gpt": GPT_FLAGS, "llama": LLAMA_FLAGS, "gemma": GEMMA_FLAGS}
 
 
 def check_gpt_flags(cfg: ModelConfig, reads_config: bool) -> None:
     """``ConfigError`` for a built-in model's flag given to a model that cannot see it:
     the GPT's to the MLP or to a factory without a config parameter, the Llama's to
     the GPT and the GPT's own to the Llama (one line naming them)."""
-    flags = {**GPT_FLAGS, **LLAMA_FLAGS}
+    flags = {**GPT_FLAGS, **GEMMA_FLAGS}
     given = {k: f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k, v in flags.items()
              if getattr(cfg, k) != v}  # fmt: skip
     if cfg.name in READS:
-        unseen = [text for k, text in given.items() if k not in READS[cfg.name]]
+        unseen = [k for k in given if k not in READS[cfg.name]]
         if unseen:
-            other = "llama" if cfg.name == "gpt" else "gpt"
+            # each flag's first reader: the Llama's flags are Gemma's too
+            owners = list(dict.fromkeys(next(m for m in READS if k in READS[m]) for k in unseen))
             raise ConfigError(
-                f"{', '.join(unseen)}: flag(s) of --model {other}, which --model {cfg.name} "
-                "does not read, so they would change nothing; drop them"
+                f"{', '.join(given[k] for k in unseen)}: flag(s) of --model "
+                f"{' and '.join(owners)}, which --model {cfg.name} does not read, so they "
+                "would change nothing; drop them"
             )
         return
     if given and not reads_config:
-        owner = "GPT's" if set(given) <= set(GPT_FLAGS) else "GPT's and Llama's"
+        owner = (
+            "GPT's"
+            if set(given) <= set(GPT_FLAGS)
+            else "GPT's and Llama's"
+            if set(given) <= {*GPT_FLAGS, *LLAMA_FLAGS}
+            else "GPT's, Llama's and Gemma's"
+        )
         raise ConfigError(
             f"{', '.join(given.values())}: the built-in {owner} flag(s), which --model "
             f"{cfg.name} cannot see (it builds its own blocks and takes no config parameter), "

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from jaxdist.errors import ConfigError
 from jaxdist.parallel import axis_names
+from jaxdist.train import architecture_checks
 from jaxdist.train.factories import NUMBER, parse_model_args
 
 MAX_INT32 = 2**31 - 1
@@ -79,6 +80,10 @@ RANGES: dict[str, Bound] = {
     "model.rope_high_freq_factor": POSITIVE,
     "model.rope_original_max_positions": at_least(1),
     "model.sliding_window_tokens": at_least(0),  # 0: no window
+    "model.attn_softcap": at_least(0),  # 0: none
+    "model.final_softcap": at_least(0),
+    "model.query_scale_dim": at_least(0),  # 0: head_dim
+    "model.global_layer_every": at_least(0),  # 0: every layer within the window
     "data.eval_fraction": SHARE,
     "data.prefetch": at_least(1),
     "data.data_workers": at_least(0),  # 0: none (the thread prefetcher only)
@@ -166,13 +171,13 @@ def validate(config) -> None:
 
         parse_target(config.train.wandb)
     model = config.model
-    if model.d_model % model.n_heads and not (model.name == "llama" and model.head_dim):
+    family = model.name in architecture_checks.LLAMA_FAMILY
+    if model.d_model % model.n_heads and not (family and model.head_dim):
         raise ConfigError(
             f"model.d_model={model.d_model} is not divisible by model.n_heads={model.n_heads}"
-            + (" (with --model llama, give --head-dim)" if model.name == "llama" else "")
+            + (f" (with --model {model.name}, give --head-dim)" if family else "")
         )
-    check_llama(model)
-    check_loss_chunks(model)
+    architecture_checks.check(model, config.train.mesh)
     axis_names.parse(config.train.axis_names)  # a bad map exits 2 before anything runs
     check_process_group(config.dist)
 
@@ -190,60 +195,6 @@ def check_process_group(dist) -> None:
     ]
     if dist.process_group == "single" and given:
         raise ConfigError(f"--process-group single is one process: drop {', '.join(given)}")
-
-
-def check_llama(model) -> None:
-    """The Llama's settings that only work together: grouped heads dividing the query
-    heads, an even head size (RoPE rotates pairs), RoPE's scaling values only with the
-    scaling that reads them."""
-    if model.name != "llama":
-        return  # set for another model, jaxdist.train.build_model refuses them by name
-    if model.n_kv_heads and model.n_heads % model.n_kv_heads:
-        raise ConfigError(
-            f"--n-kv-heads {model.n_kv_heads} does not divide --n-heads {model.n_heads}: "
-            "each key/value head serves an equal group of query heads"
-        )
-    head_dim = model.head_dim or model.d_model // model.n_heads
-    if head_dim % 2:
-        raise ConfigError(f"RoPE rotates pairs of features: the head size {head_dim} is odd")
-    reads = {"rope_factor": ("linear", "llama3"), "rope_low_freq_factor": ("llama3",),
-             "rope_high_freq_factor": ("llama3",),
-             "rope_original_max_positions": ("llama3",)}  # fmt: skip
-    defaults = {f.name: f.default for f in dataclasses.fields(model)}
-    unread = [
-        f"--{key.replace('_', '-')} {getattr(model, key)}"
-        for key, types_ in reads.items()
-        if getattr(model, key) != defaults[key] and model.rope_type not in types_
-    ]
-    if unread:
-        raise ConfigError(
-            f"{', '.join(unread)}: --rope-type {model.rope_type} does not read it; "
-            "--rope-type linear reads --rope-factor, llama3 all four"
-        )
-    if model.rope_type == "llama3" and model.rope_high_freq_factor <= model.rope_low_freq_factor:
-        raise ConfigError(
-            f"--rope-high-freq-factor {model.rope_high_freq_factor} must exceed "
-            f"--rope-low-freq-factor {model.rope_low_freq_factor} (llama3 RoPE blends between)"
-        )
-
-
-FUSED_LOSS_MODELS = ("gpt", "llama")  # the built-in models with features() and head()
-
-
-def check_loss_chunks(model) -> None:
-    """``--loss-chunks``: a built-in model's own loss, in slices that divide the sequence."""
-    chunks = model.loss_chunks
-    if chunks <= 0:  # the plain loss, or auto (which picks only what applies)
-        return
-    if model.name not in FUSED_LOSS_MODELS or model.loss:
-        what = f"--loss {model.loss}" if model.loss else f"--model {model.name}"
-        raise ConfigError(
-            f"--loss-chunks {chunks}: only for --model gpt's or llama's own loss, not {what}"
-        )
-    if model.seq_len % chunks:
-        raise ConfigError(
-            f"--loss-chunks {chunks} does not divide --seq-len {model.seq_len}: use a divisor"
-        )
 
 
 def _check_number(key: str, flag: str, value: float) -> None:

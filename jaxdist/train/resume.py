@@ -159,7 +159,7 @@ def model_settings(meta: dict) -> dict:
     names = {**model, **parse_model_args(model.get("model_args", ""))}
     if not names.get("vocab_size"):
         names["vocab_size"] = meta.get("data", {}).get("vocab_size", 0)
-    if names.get("name") == "llama":  # its defaults resolved, and the hf_* values of its maps
+    if names.get("name") in ("llama", "gemma"):  # defaults resolved, its maps' hf_* values
         from jaxdist.weights.maps import hf_llama
 
         names = hf_llama.settings(names)

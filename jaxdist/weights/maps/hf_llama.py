@@ -1,5 +1,6 @@
 """Hugging Face's config.json <-> the built-in Llama's settings (``--model llama``), for
-the families whose maps ship beside this file: llama, qwen2, qwen3, mistral.
+the families whose maps ship beside this file: llama, qwen2, qwen3, mistral; and gemma2
+(``--model gemma``, its own keys in ``hf_gemma``).
 
 Both directions go through the family's map (``<family>.yaml``): its ``config_json``
 says which key holds which setting (``hidden_size: ${d_model}``), so
@@ -28,8 +29,10 @@ import re
 from pathlib import Path
 
 from jaxdist.errors import ConfigError
+from jaxdist.weights.maps import hf_gemma
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2")
+MODEL = {"gemma2": "gemma"}  # a family's built-in model, where it is not --model llama
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
          "num_attention_heads")  # fmt: skip
 # transformers' class defaults (5.x) of the other keys read, for a file that leaves them
@@ -45,6 +48,7 @@ DEFAULTS = {
               "attention_bias": False, "max_position_embeddings": 32768},
     "mistral": {**_COMMON, "num_key_value_heads": 8, "sliding_window": 4096,
                 "max_position_embeddings": 4096 * 32},
+    "gemma2": hf_gemma.DEFAULTS,
 }  # fmt: skip
 # each RoPE type's keys, beside rope_type and rope_theta
 ROPE_KEYS = {
@@ -84,7 +88,8 @@ def normalized(config: dict, where: str) -> dict:
     family = config.get("model_type")
     if family not in FAMILIES:
         raise ConfigError(
-            f"{where}: model_type {family!r} is not one --model llama reads ({', '.join(FAMILIES)})"
+            f"{where}: model_type {family!r} is not one --model llama reads "
+            f"({', '.join(f for f in FAMILIES if f not in MODEL)}) nor --model gemma (gemma2)"
         )
     missing = [k for k in SIZES if k not in config]
     if missing:
@@ -98,6 +103,8 @@ def normalized(config: dict, where: str) -> dict:
         out["sliding_window"] = _window(out, family, where)
     if family in ("qwen2", "qwen3"):
         out["use_sliding_window"] = out["sliding_window"] is not None
+    if family == "gemma2":
+        out = hf_gemma.normalized(out, where)
     return out
 
 
@@ -153,13 +160,14 @@ def model_settings(source: str) -> dict[str, tuple]:
     theirs = normalized(config, where)
     family = theirs["model_type"]
     weight_map = load(family)
-    out: dict[str, tuple] = {"name": ("llama", f"model_type {family!r} (--model llama)")}
+    model = MODEL.get(family, "llama")
+    out: dict[str, tuple] = {"name": (model, f"model_type {family!r} (--model {model})")}
     for key, template in weight_map.config_json.items():
         name = _setting(template)
         if name is None:  # a constant: what the model computes, where it is checked
             if key in weight_map.check_keys and theirs.get(key, template) != template:
                 raise ConfigError(
-                    f"{where}: {key} is {theirs[key]!r} in {path}; --model llama computes "
+                    f"{where}: {key} is {theirs[key]!r} in {path}; --model {model} computes "
                     f"{template!r}"
                 )
         elif key in theirs:
@@ -178,6 +186,9 @@ def _setting(template) -> str | None:
 def _read_setting(name: str, key: str, value) -> dict[str, tuple]:
     """The model settings one config.json value gives."""
     said = f"config.json's {key} {value!r}"
+    gemma = hf_gemma.read_setting(name, said, value)
+    if gemma is not None:
+        return gemma
     if name == "hf_rope_parameters":
         out = {setting: (default, f"{said} (none)") for setting, default in ROPE_DEFAULTS.items()}
         out["rope_type"] = (value["rope_type"], said)
@@ -209,9 +220,11 @@ def settings(names: dict) -> dict:
     context = names.get("seq_len", 0)
     if rope_type == "llama3":  # the context the scaling stretches to, not the run's own
         context = max(context, int(rope["factor"] * rope["original_max_position_embeddings"]))
+    head_dim = names.get("head_dim") or d_model // heads
+    gemma = hf_gemma.settings(names, head_dim) if names.get("name") == "gemma" else {}
     return {
         **names,
-        "head_dim": names.get("head_dim") or d_model // heads,
+        "head_dim": head_dim,
         "n_kv_heads": names.get("n_kv_heads") or heads,
         "ffn_dim": names.get("ffn_dim") or 4 * d_model,
         "hf_rope_parameters": rope,
@@ -219,4 +232,5 @@ def settings(names: dict) -> dict:
         "hf_sliding_window": window or None,
         "hf_use_sliding_window": bool(window),
         "hf_max_positions": context,
+        **gemma,
     }
