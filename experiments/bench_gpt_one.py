@@ -1,6 +1,6 @@
 """One measurement of bench_gpt.py, in its own process: ``measure(args, who, size, ...)``.
 
-Every record has who, size, step_ms (the median of the timed windows' mean step times),
+Every record has who, model, size, step_ms (the median of the timed windows' mean step times),
 window_ms (each window's mean), tokens_per_s, mfu (against the bf16 matmul peak measured
 here on random data, fp32 on CPU), compile_s (the first step, compilation included),
 peak_memory_gb (GPU) and the configuration; jaxdist's also data_wait_frac.
@@ -39,7 +39,9 @@ def matmul_peak_flops(cpu: bool) -> float:
 
 
 def measure(args, who: str, size: str, dims: dict, run: dict) -> dict:
-    record = {"who": who, "size": size, **dims, **{k: v for k, v in run.items() if k != "steps"}}
+    model = getattr(args, "model", "gpt")
+    record = {"who": who, "model": model, "size": size, **dims}
+    record.update({k: v for k, v in run.items() if k != "steps"})
     record.update(attention=args.attention, note=getattr(args, "note", ""))
     if who == "jaxdist":
         record.update(strategy=args.strategy, scan_layers=args.scan_layers, remat=args.remat)
@@ -54,7 +56,7 @@ def measure(args, who: str, size: str, dims: dict, run: dict) -> dict:
             return {**record, "skipped": f"torch not installed ({err})"}
         backend = getattr(args, "torch_backend", "inductor")
         record["torch_backend"] = backend
-        timing = peer_torch.measure(dims, run, cpu=args.cpu, backend=backend)
+        timing = peer_torch.measure(dims, run, cpu=args.cpu, backend=backend, model=model)
         peak = peer_torch.matmul_peak_flops(args.cpu)
     else:
         import jax
@@ -70,7 +72,7 @@ def measure(args, who: str, size: str, dims: dict, run: dict) -> dict:
     tokens_per_step = run["batch"] * run["seq_len"]
     from bench_gpt import flops_per_token
 
-    flops = flops_per_token(timing["n_params"], dims["n_layers"], dims["d_model"], run["seq_len"])
+    flops = flops_per_token(model, timing["n_params"], dims, run["seq_len"])
     tokens_per_s = tokens_per_step / (timing["step_ms"] / 1e3)
     return {
         **record,
@@ -106,7 +108,8 @@ def timed_windows(step, state, batches, run: dict) -> tuple[object, list[float],
 def _config(args, dims: dict, run: dict, data_path: str, run_dir: str = ""):
     from jaxdist.train.config import from_dict
 
-    model = {"name": "gpt", "attention": args.attention, "dtype": run["dtype"]}
+    model = {"name": getattr(args, "model", "gpt"), "attention": args.attention}
+    model["dtype"] = run["dtype"]
     model.update(vocab_size=run["vocab_size"], seq_len=run["seq_len"], **dims)
     model.update(scan_layers=args.scan_layers, remat=args.remat, loss_chunks=args.loss_chunks)
     model["fp8"] = getattr(args, "fp8", False)
@@ -176,6 +179,7 @@ def measure_plain_jax(args, dims: dict, run: dict) -> dict:
     from flax import nnx
 
     import peer_plain_jax as plain
+    import peer_plain_jax_llama as plain_llama
     from jaxdist.train.build_model import attention_kernel, build_model
 
     cfg = _config(args, dims, run, "").model
@@ -183,14 +187,12 @@ def measure_plain_jax(args, dims: dict, run: dict) -> dict:
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     n_params = sum(x.size for x in jax.tree.leaves(params))
     tx = plain.make_optimizer(3e-4)
-    dtype = getattr(jax.numpy, run["dtype"])
-    step = plain.make_step(
-        tx,
-        donate=not args.no_donate,
-        n_heads=dims["n_heads"],
-        dtype=dtype,
-        attention=attention_kernel(cfg),
-    )
+    shapes = dict(n_heads=dims["n_heads"], dtype=getattr(jax.numpy, run["dtype"]))
+    shapes["attention"] = attention_kernel(cfg)
+    if cfg.name == "llama":  # the Llama's loss, with its grouped heads, RoPE and eps
+        shapes.update(loss=plain_llama.loss_fn, n_kv_heads=dims["n_kv_heads"])
+        shapes.update(rope_theta=dims["rope_theta"], eps=dims["rms_norm_eps"])
+    step = plain.make_step(tx, donate=not args.no_donate, **shapes)
     keys = jax.random.split(jax.random.key(0), 4)
     shape = (run["batch"], run["seq_len"] + 1)
     batches = [jax.random.randint(k, shape, 0, run["vocab_size"]) for k in keys]  # on device

@@ -14,10 +14,13 @@ Expected:  DIR/gpu_round.jsonl, one record per run as it ends (``phase`` "compil
 
 What runs, in priority order (issue: the GPU round): the baseline (jaxdist, plain JAX and
 torch.compile at GPT-2 124M and 355M; jaxdist with its defaults, which on a GPU include
-the fused loss in 8 slices), jaxdist with the plain loss (``--loss-chunks 0``), ``--fp8``,
-a trace of the fp8 step, the planner against the device (``plan_vs_measured.py``), the
-offload study (``offload.py``). The Llama-family, MoE and long-context benchmarks join
-this list when those models exist.
+the fused loss in 8 slices), the Llama-family model at 124M against transformers'
+LlamaForCausalLM under torch.compile and plain JAX (``bench_gpt.py --model llama``: the
+same three measurements as the GPT's, the round's comparison not yet measured), jaxdist
+with the plain loss (``--loss-chunks 0``), ``--fp8``, a trace of the fp8 step, the Llama
+at 1B against the same two peers (if time allows: last of the bench rows), the planner
+against the device (``plan_vs_measured.py``), the offload study (``offload.py``). The
+MoE and long-context benchmarks join this list when those models exist.
 
 Cold compilation dominates: some 20 programs of 10-60 s each would not fit one session
 run one after another. So the runs go in two phases sharing one JAX compilation cache
@@ -50,24 +53,29 @@ sys.path.insert(0, str(HERE))
 import bench_gpt  # noqa: E402
 
 PLAIN, FP8 = ["--loss-chunks", "0"], ["--fp8"]  # jaxdist's default on GPU: 8 slices
+LLAMA = ["--model", "llama"]  # bench_gpt.py's Llama 3-shaped model (its docstring)
+PEERS = ("jaxdist", "plain-jax", "torch.compile")
 # (note, who, size, bench_gpt.py options, extra XLA flags), in priority order
 RUNS = [
-    ("baseline", "jaxdist", "124M", [], ""),
-    ("baseline", "plain-jax", "124M", [], ""),
-    ("baseline", "torch.compile", "124M", [], ""),
-    ("baseline", "jaxdist", "355M", [], ""),
-    ("baseline", "plain-jax", "355M", [], ""),
-    ("baseline", "torch.compile", "355M", [], ""),
+    *[("baseline", who, size, [], "") for size in ("124M", "355M") for who in PEERS],
+    *[("llama", who, "124M", LLAMA, "") for who in PEERS],
     ("plain loss", "jaxdist", "124M", PLAIN, ""),
     ("plain loss", "jaxdist", "355M", PLAIN, ""),
     ("fp8", "jaxdist", "355M", FP8, ""),
     ("fp8", "jaxdist", "124M", FP8, ""),
     ("profile fp8", "jaxdist", "355M", FP8 + ["--profile", "{out}/profile"], ""),
+    *[("llama", who, "1B", LLAMA, "") for who in PEERS],
 ]
 # Not in the compile phase: jaxdist's 124M baseline (its clean cold compile) and the runs
 # of a program compiled by another (the profile)
 COMPILED_ALONE = {0} | {i for i, r in enumerate(RUNS) if r[0].startswith("profile")}
-GB_PER_UNIT = 18  # a 124M run's share of GPU memory in the compile phase; 355M takes two
+GB_PER_UNIT = 18  # a 124M run's share of GPU memory in the compile phase
+UNITS = {"124M": 1, "355M": 2, "1B": 4}  # the Llama's 1B: 17 GB of state, ~50 GB at peak
+
+
+def model_of(spec) -> str:
+    options = spec[3]
+    return options[options.index("--model") + 1] if "--model" in options else "gpt"
 
 
 def scripts(out: Path, cpu: bool, warm: bool = False) -> list[tuple]:
@@ -144,13 +152,17 @@ def one(spec, out: Path, env: dict, timeout: float, cpu: bool) -> dict:
     note, who, size, options, flags = spec
     size = "tiny" if cpu else size
     argv = ["--who", who, "--sizes", size, "--note", note] + ["--cpu"] * cpu
+    # the rehearsal's torch.compile: aot_eager, as tests/test_bench_gpt.py (inductor's C++
+    # build costs 40-80 s a process on 2 cores; the GPU's kernels are Triton's anyway)
+    argv += ["--torch-backend", "aot_eager"] * cpu
     argv += [x.replace("{out}", str(out)) for x in options]
     try:  # "=": the flags' value starts with "--"
         args = bench_gpt.parse(argv + ([f"--xla-flags={flags}"] if flags else []))
         started = time.perf_counter()
         record = bench_gpt.run_one(args, who, size, env_extra=env, timeout=max(timeout, 1))
     except (Exception, SystemExit) as err:  # one bad run must not end the session's others
-        return {"who": who, "size": size, "note": note, "error": f"driver: {err!r}"}
+        error = f"driver: {err!r}"
+        return {"who": who, "model": model_of(spec), "size": size, "note": note, "error": error}
     record.update(note=note, xla_flags=flags, wall_s=round(time.perf_counter() - started, 1))
     return record
 
@@ -203,8 +215,7 @@ def compile_phase(out: Path, work: Path, caches: dict, deadline: float, log, cpu
     items = []
     for i, spec in enumerate(RUNS):
         if i not in COMPILED_ALONE:
-            need = 2 if spec[2] == "355M" else 1
-            label = f"{spec[0]} {spec[1]} {spec[2]}"
+            need, label = UNITS[spec[2]], f"{spec[0]} {spec[1]} {spec[2]}"
             items.append((need, lambda env, left, spec=spec: one(spec, out, env, left, cpu), label))
     for job, command, need, lines in scripts(scratch, cpu, warm=True):
         run = lambda env, left, j=job, c=command, f=lines: script(j, c, env, left, f)  # noqa: E731
@@ -259,7 +270,8 @@ def timed_phase(
     for spec in RUNS:
         left = deadline - time.time()
         if left < 25:
-            record = {"who": spec[1], "size": spec[2], "note": spec[0], "skipped": "time"}
+            record = {"who": spec[1], "model": model_of(spec), "size": spec[2]}
+            record.update(note=spec[0], skipped="time")
         else:
             record = one(spec, out, caches, min(left - 5, 240), cpu)
         record["phase"] = "timed"

@@ -59,14 +59,16 @@ def make_optimizer(lr: float, weight_decay: float = 0.01, clip_norm: float = 1.0
     )
 
 
-def make_step(tx, donate: bool = True, **model):
+def make_step(tx, donate: bool = True, loss=None, **model):
     """``step(params, opt_state, tokens) -> (params, opt_state, loss)``, params and
-    optimizer state donated (updated in place) unless ``donate`` is False."""
+    optimizer state donated (updated in place) unless ``donate`` is False. ``loss``:
+    ``loss(params, tokens, **model)``, by default this GPT's (``peer_plain_jax_llama``
+    passes the Llama's)."""
 
     @partial(jax.jit, donate_argnums=(0, 1) if donate else ())
     def step(params, opt_state, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, **model)
+        loss_value, grads = jax.value_and_grad(loss or loss_fn)(params, tokens, **model)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, loss_value
 
     return step

@@ -1,6 +1,9 @@
 """The PyTorch peer for bench_gpt.py: the same GPT (pre-LayerNorm blocks, tied
-embedding, tanh GELU, biases), bf16 autocast over fp32 weights, SDPA causal attention
-(flash on an H100), fused AdamW, ``torch.compile``. Imported only where torch is."""
+embedding, tanh GELU, biases), or for ``--model llama`` transformers' own
+``LlamaForCausalLM`` in the bench's shape (``llama``: grouped-query attention, SwiGLU,
+RoPE, tied head, no biases), bf16 autocast over fp32 weights, SDPA causal attention
+(flash on an H100), fused AdamW, ``torch.compile``. Imported only where torch is;
+transformers only for the Llama."""
 
 from __future__ import annotations
 
@@ -44,6 +47,29 @@ class GPT(nn.Module):
         return self.ln_f(x) @ self.tok.weight.T  # tied head
 
 
+class Llama(nn.Module):
+    """transformers' LlamaForCausalLM as the GPT above is called: tokens -> logits."""
+
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_layers: int,
+                 n_heads: int, n_kv_heads: int, ffn_dim: int, rope_theta: float,
+                 rms_norm_eps: float):  # fmt: skip
+        super().__init__()
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=vocab_size, hidden_size=d_model, intermediate_size=ffn_dim,
+            num_hidden_layers=n_layers, num_attention_heads=n_heads,
+            num_key_value_heads=n_kv_heads, head_dim=d_model // n_heads,
+            max_position_embeddings=seq_len, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps,
+            tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+            attn_implementation="sdpa",
+        )  # fmt: skip
+        self.hf = transformers.LlamaForCausalLM(config)
+
+    def forward(self, tokens):  # (B, T) -> (B, T, vocab)
+        return self.hf(input_ids=tokens, use_cache=False).logits
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -64,11 +90,13 @@ def matmul_peak_flops(cpu: bool) -> float:
     return 2 * n**3 / best
 
 
-def measure(dims: dict, run: dict, cpu: bool, backend: str = "inductor") -> dict:
+def measure(dims: dict, run: dict, cpu: bool, backend: str = "inductor", model="gpt") -> dict:
     """``backend``: torch.compile's; inductor (the default, what the figures use) builds
-    C++ or Triton kernels, which takes 40 s for the tiny CPU model on 2 cores."""
+    C++ or Triton kernels, which takes 40 s for the tiny CPU model on 2 cores.
+    ``model``: "gpt" or "llama" (``dims`` the bench's for it)."""
     device = torch.device("cpu" if cpu else "cuda")
-    model = GPT(run["vocab_size"], run["seq_len"], **dims).to(device)
+    model = {"gpt": GPT, "llama": Llama}[model](run["vocab_size"], run["seq_len"], **dims)
+    model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, fused=not cpu)
     amp_dtype = torch.bfloat16 if run["dtype"] == "bfloat16" else torch.float32

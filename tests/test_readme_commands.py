@@ -14,6 +14,10 @@ files the same page shows in a fence whose first line names them (``# my_data.py
   is neither runnable nor marked fails.
 - ``# extra: NAME``: the line needs the optional extra NAME (``pip install -e '.[NAME]'``);
   where its package is missing (the README's own install) the block is skipped, saying so.
+- A skipped line that later lines depend on has a stand-in (``readme_stand_ins.py``): a
+  download from the Hugging Face Hub (``hf download ORG/NAME --local-dir DIR``) becomes a
+  tiny random model of NAME's family and its tokenizer, saved in DIR by transformers'
+  ``save_pretrained``; the block is skipped where transformers or tokenizers is missing.
 - ``# exits N``: the line runs exactly as printed and must exit N. In a ```console block,
   the lines after a ``$ `` command are output it must print.
 - What the pages say a command writes must be there (the run directory's files, the token
@@ -56,6 +60,7 @@ from readme_blocks import (
     steps_for,
     train_args,
 )
+from readme_stand_ins import needs, run_stand_in, stand_in_of
 
 
 @pytest.fixture(scope="module")
@@ -104,12 +109,16 @@ def test_block_runs_as_printed(commands, command_env, tmp_path):
         module = EXTRAS.get(command.extra or "", "")
         if command.extra and not module:
             pytest.fail(f"{command.where}: # extra: {command.extra} is not one of {set(EXTRAS)}")
-        if module and importlib.util.find_spec(module) is None:
-            pytest.skip(f"{command.where} needs the {command.extra} extra: pip install -e "
-                        f"'.[{command.extra}]' (CI's full tier installs it)")  # fmt: skip
+        wanted = [(command.extra, module)] if module else []
+        for extra, name in wanted + needs(command):
+            if importlib.util.find_spec(name) is None:
+                pytest.skip(f"{command.where} needs the {extra} extra: pip install -e "
+                            f"'.[{extra}]' (CI's full tier installs it)")  # fmt: skip
     runs_seen: dict[str, int] = {}
     for command in commands:
         if command.skip:
+            if stand_in_of(command):  # what the line leaves, made here (readme_stand_ins.py)
+                print(f"{command.where}: a stand-in: {run_stand_in(command, work)}")
             continue
         tokens, line = command.tokens, command.code
         steps = None
@@ -216,10 +225,12 @@ def test_every_shell_line_runs_or_is_marked(capsys):
     assert not neither, "neither runnable here nor marked # needs: / # server:\n" + "\n".join(
         neither
     )
-    skipped = [c for c in commands if c.skip]
-    ran = len(commands) - len(skipped)
+    stand_ins = [c for c in commands if stand_in_of(c)]  # replaced, not skipped
+    skipped = [c for c in commands if c.skip and not stand_in_of(c)]
+    ran = len(commands) - len(skipped) - len(stand_ins)
     with capsys.disabled():
-        print(f"\nREADME and docs: {ran} commands run, {len(skipped)} skipped (marked)")
+        print(f"\nREADME and docs: {ran} commands run, {len(stand_ins)} by a stand-in, "
+              f"{len(skipped)} skipped (marked)")  # fmt: skip
     assert len(skipped) <= MAX_SKIPPED, (
         f"{len(skipped)} lines skipped: the ones that cannot run here are to stay a small set "
         "(raise MAX_SKIPPED only for a command that truly cannot run in this test)"
