@@ -2,7 +2,8 @@
 
 Command:   python experiments/matrix.py [--layouts data=8 ...] [--features resume ...]
                                         [--out experiments/MATRIX.md] [--json cells.jsonl]
-                                        [--in-process]
+                                        [--in-process] [--merge experiments/MATRIX.md]
+                                        [--cells cells.jsonl]
 Hardware:  8 emulated CPU devices on a 2-core machine (the 2-process layout: 2 x 4, started
            by ``python -m jaxdist.launch``); about 40 minutes for the 8 x 15 cells (--in-process).
 Runs:      the built-in GPT on its default data (bytes of the standard library), global batch
@@ -28,6 +29,10 @@ Expected:  every cell "ok": losses within 1e-4 (relative) of the reference, bf16
            cells (none at present) print the refusal, which README's layout section lists.
 Layout:    the rows here in matrix_rows.py, what each feature runs and compares in
            matrix_checks.py, the markdown in matrix_table.py; this file runs the cells.
+Merging:   ``--merge PAGE`` writes (``--out``) the table PAGE holds with this run's cells
+           in place of theirs and its new rows added, the text above the table kept: new
+           rows without running the whole matrix again. ``--cells`` takes the cells of an
+           earlier run's ``--json`` instead of running any.
 """
 
 from __future__ import annotations
@@ -76,14 +81,14 @@ from matrix_rows import (  # noqa: E402
     model_flags,
     slug,
 )
-from matrix_table import Cell, table  # noqa: E402
+from matrix_table import Cell, merged, read_cells, split, table  # noqa: E402
 
 __all__ = [  # the names this module has held, the siblings' among them (tests/test_matrix.py)
     "EXPLICIT", "FEATURES", "GPT", "GPT_ONLY", "IN_PROCESS", "LAYOUTS", "LLAMA", "LOOSE",
     "NAN_STEP", "ONLY_WITH_STAGE", "REFERENCE", "RTOL", "RUN", "SGD", "TESTS", "Cell",
     "Matrix", "Result", "applies", "close", "compared", "continued", "dropout",
     "elastic_target", "layout_of", "main", "mesh_of", "model_flags", "params_close",
-    "resumed", "run", "slug", "table", "verdict",
+    "resumed", "run", "run_cells", "slug", "table", "verdict",
 ]  # fmt: skip
 
 
@@ -187,6 +192,23 @@ class Matrix:
         return Cell(layout, feature, status, detail, round(time.monotonic() - start, 1))
 
 
+def run_cells(layouts: list[str], features: list[str], json_out: Path | None) -> list[Cell]:
+    """Every cell of ``layouts`` x ``features``, each printed (and written to ``json_out``)
+    as it ends."""
+    cells = []
+    with tempfile.TemporaryDirectory(prefix="jaxdist-matrix-") as work:
+        matrix = Matrix(Path(work))
+        for layout in layouts:
+            for feature in features:
+                cells.append(cell := matrix.cell(layout, feature))
+                print(f"{layout:28} {feature:15} {cell.status:7} {cell.seconds:5.0f}s  "
+                      f"{cell.detail}", flush=True)  # fmt: skip
+                if json_out:
+                    with json_out.open("a") as f:
+                        f.write(json.dumps(asdict(cell)) + "\n")
+    return cells
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
@@ -196,24 +218,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--in-process", action="store_true", help="one process's runs in this one (no start-up)"
     )
+    parser.add_argument(
+        "--merge", type=Path, help="a page holding a table: its cells, this run's in their place"
+    )
+    parser.add_argument("--cells", type=Path, help="an earlier run's --json, instead of running")
     args = parser.parse_args(argv)
     if args.in_process:  # 8 CPU devices, set before jax is imported (by the first run)
         global IN_PROCESS
         IN_PROCESS = True
         os.environ.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
-    cells = []
-    with tempfile.TemporaryDirectory(prefix="jaxdist-matrix-") as work:
-        matrix = Matrix(Path(work))
-        for layout in args.layouts:
-            for feature in args.features:
-                cells.append(cell := matrix.cell(layout, feature))
-                print(f"{layout:28} {feature:15} {cell.status:7} {cell.seconds:5.0f}s  "
-                      f"{cell.detail}", flush=True)  # fmt: skip
-                if args.json:
-                    with args.json.open("a") as f:
-                        f.write(json.dumps(asdict(cell)) + "\n")
+    if args.cells:
+        cells = [Cell(**json.loads(x)) for x in args.cells.read_text().splitlines() if x.strip()]
+    else:
+        cells = run_cells(args.layouts, args.features, args.json)
+    page = table(cells)
+    if args.merge:
+        text = args.merge.read_text()
+        old = read_cells(text, applies)
+        page = split(text)[0] + table(merged(old, cells, list(LAYOUTS), list(FEATURES)))
     if args.out:
-        args.out.write_text(table(cells))
+        args.out.write_text(page)
     return 0 if all(c.status != "FAILED" for c in cells) else 1
 
 
