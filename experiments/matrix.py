@@ -5,7 +5,7 @@ Command:   python experiments/matrix.py [--layouts data=8 ...] [--features resum
                                         [--in-process] [--merge experiments/MATRIX.md]
                                         [--cells cells.jsonl]
 Hardware:  8 emulated CPU devices on a 2-core machine (the 2-process layout: 2 x 4, started
-           by ``python -m jaxdist.launch``); about 40 minutes for the 8 x 15 cells (--in-process).
+           by ``python -m jaxdist.launch``); about 75 minutes for the 13 x 15 cells (--in-process).
 Runs:      the built-in GPT on its default data (bytes of the standard library), global batch
            16, 6 steps, SGD at lr 0.3 without clipping (Adam turns the float noise of a
            gradient that is zero in exact arithmetic, the key bias's, into whole steps, and
