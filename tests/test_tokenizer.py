@@ -1,96 +1,26 @@
 """``python -m jaxdist.data prepare --tokenizer``: a Hugging Face tokenizer's ids in a
 token file, its end of document between files, its fingerprint and vocabulary in the
-sidecar; a GPT trained on them; a model vocabulary smaller than the tokenizer's refused;
-bad input as one line that writes nothing; ``jaxdist.data.tokenizer`` turning ids back
-into text. The tokenizers are trained here (a byte-level BPE of 400 ids) or built (a
-word-level one of 70,002, for uint32)."""
+sidecar, in the dtype that holds its vocabulary; ``jaxdist.data.tokenizer`` turning ids
+back into text. The tokenizers are trained here (a byte-level BPE of 400 ids,
+tokenizer_corpus.py) or built (a word-level one of 70,002, for uint32). Training on the
+ids: test_tokenizer_train.py; bad input: test_tokenizer_bad_input.py."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import metrics_of, run_cli
 from jaxdist.data import tokenizer as tokenizer_lib
 from jaxdist.data.__main__ import main as data_main
-from jaxdist.data.text import collect_files
 from jaxdist.data.tokens import read_sidecar
 from jaxdist.errors import JaxdistError
-from jaxdist.train.trainer import main as train_main
-from test_bad_input import error_line
-
-tokenizers = pytest.importorskip("tokenizers", reason="the text extra: pip install 'jaxdist[text]'")
-
-EOS = "<|endoftext|>"
-VOCAB = 400
-GPT = ["--model", "gpt", "--steps", "3", "--log-every", "1", "--seq-len", "16"]
-GPT += ["--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--global-batch-size", "8"]
-
-DOCS = {
-    "notes/a.txt": "The quick brown fox jumps over the lazy dog. " * 30,
-    "notes/b.md": "# Heading\n\nSome *markdown* text, with `code` and a list:\n- one\n- two\n" * 12,
-    "c.py": "def add(a, b):\n    return a + b\n\n\nprint(add(2, 3))\n" * 20,
-    "d.txt": "Unicode too: café, naïve, Straße, 東京, emoji 🙂, tabs\tand\r\nnewlines.\n" * 15,
-    "e.txt": "Numbers 0123456789 and punctuation !?;:,.()[]{}<>@#$%^&*~ repeat. " * 25,
-    "f.txt": "",  # an empty document: its end of document alone
-    "g.txt": "Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 40,
-    "h.txt": "To be, or not to be, that is the question. " * 30,
-}
+from tokenizer_corpus import DOCS, EOS, VOCAB, bpe, corpus, prepared, reference  # noqa: F401
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    for name, text in DOCS.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text, encoding="utf-8", newline="")
-    return root
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory, corpus) -> Path:
-    """A byte-level BPE of 400 ids trained on the corpus, alone in its folder (no config
-    naming its end of document): ``<pad>`` is id 0, ``<|endoftext|>`` id 1."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=["<pad>", EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train([str(p) for p in collect_files([str(corpus)])], trainer)
-    assert tok.get_vocab_size() == VOCAB and tok.token_to_id(EOS) == 1
-    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
-    tok.save(str(path))
-    return path
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory, corpus, bpe) -> Path:
-    out = tmp_path_factory.mktemp("prepared") / "out"
-    args = ["prepare", str(corpus), "--out", str(out), "--tokenizer", str(bpe)]
-    assert data_main([*args, "--eos-token", EOS, "--eval-fraction", "0.25"]) == 0
-    return out
-
-
-def reference(tokenizer_path: Path, folder: Path, names: list[str], eos: int) -> np.ndarray:
-    """Each document's ``tokenizer.encode`` ids, then ``eos``: the token file, by numpy."""
-    tok = tokenizers.Tokenizer.from_file(str(tokenizer_path))
-    parts = [np.array(tok.encode((folder / n).read_bytes().decode()).ids) for n in names]
-    return np.concatenate([np.append(p, eos) for p in parts]).astype(np.int64)
-
-
-def test_prepare_writes_the_tokenizers_ids_with_its_eos_between_files(prepared, corpus, bpe):
+def test_prepare_writes_the_tokenizers_ids_with_its_eos_between_files(prepared, corpus, bpe):  # noqa: F811
     files = {}
     for split in ("train", "eval"):
         meta = read_sidecar(prepared / f"{split}.bin")
@@ -111,7 +41,7 @@ def test_prepare_writes_the_tokenizers_ids_with_its_eos_between_files(prepared, 
     assert files["eval"] and files["train"]
 
 
-def test_one_file_is_split_at_its_tail_in_tokens(tmp_path, corpus, bpe):
+def test_one_file_is_split_at_its_tail_in_tokens(tmp_path, corpus, bpe):  # noqa: F811
     out = tmp_path / "out"
     args = ["prepare", str(corpus / "g.txt"), "--out", str(out), "--tokenizer", str(bpe)]
     assert data_main([*args, "--eos-token", EOS, "--eval-fraction", "0.1"]) == 0
@@ -122,7 +52,7 @@ def test_one_file_is_split_at_its_tail_in_tokens(tmp_path, corpus, bpe):
     assert len(held_out) - 1 == len(whole) - 1 - round((len(whole) - 1) * 0.9)
 
 
-def test_a_model_folder_names_its_eos_in_its_configs(tmp_path, corpus, bpe):
+def test_a_model_folder_names_its_eos_in_its_configs(tmp_path, corpus, bpe):  # noqa: F811
     """tokenizer_config.json's eos_token (as transformers saves it: an AddedToken), else
     config.json's eos_token_id; --eos-token over both."""
     configs = {
@@ -151,7 +81,7 @@ def test_a_model_folder_names_its_eos_in_its_configs(tmp_path, corpus, bpe):
         np.testing.assert_array_equal(ids, reference(bpe, corpus / "notes", meta["files"], eos))
 
 
-def test_a_vocabulary_over_65536_ids_is_written_as_uint32(tmp_path, corpus):
+def test_a_vocabulary_over_65536_ids_is_written_as_uint32(tmp_path, corpus):  # noqa: F811
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"w{i}": i for i in range(70_000)} | {"[UNK]": 70_000, "</s>": 70_001}
@@ -174,113 +104,7 @@ def test_a_vocabulary_over_65536_ids_is_written_as_uint32(tmp_path, corpus):
     np.testing.assert_array_equal(ids, want)
 
 
-def test_a_gpt_trains_on_the_tokens_and_a_smaller_vocabulary_is_refused(prepared, tmp_path, capsys):
-    data = ["--data", str(prepared / "train.bin"), "--eval-data", str(prepared / "eval.bin")]
-    run = tmp_path / "run"
-    args = [*GPT, *data, "--eval-every", "3", "--run-dir", str(run)]
-    proc = run_cli(*args, "--save-params", str(tmp_path / "params.npz"))
-    assert proc.returncode == 0, proc.stderr
-    last = metrics_of(run)[-1]
-    assert last["step"] == 3 and np.isfinite(last["loss"]) and last["eval_count"] > 0
-    assert "eval_bpb" not in last  # a tokenizer's ids are not bytes
-    shapes = [v.shape for v in np.load(tmp_path / "params.npz").values()]
-    assert (512, 16) in shapes  # the tokenizer's 400 ids, padded to 128s
-    # --vocab-size below the tokenizer's: refused before anything compiles
-    small = tmp_path / "small"
-    code = train_main([*GPT, *data, "--vocab-size", "300", "--run-dir", str(small)])
-    message = error_line(code, capsys.readouterr().err, ["train.bin", "400", "300"])
-    assert "--vocab-size" in message and "tokenizer" in message
-    assert not small.exists()
-    # and by --dry-run, which reads no data
-    code = train_main([*GPT, *data, "--vocab-size", "300", "--dry-run"])
-    error_line(code, capsys.readouterr().err, ["train.bin", "400", "300"])
-
-
-def test_a_held_out_file_of_another_tokenizer_is_refused(prepared, tmp_path, capsys, corpus, bpe):
-    other = tmp_path / "other" / "tokenizer.json"  # the same vocabulary, another file
-    other.parent.mkdir()
-    other.write_text(bpe.read_text().replace('"<pad>"', '"<PAD>"'))
-    out = tmp_path / "out"
-    args = ["prepare", str(corpus), "--out", str(out), "--tokenizer", str(other)]
-    assert data_main([*args, "--eos-token", EOS, "--eval-fraction", "0"]) == 0
-    capsys.readouterr()
-    data = ["--data", str(prepared / "train.bin"), "--eval-data", str(out / "train.bin")]
-    code = train_main([*GPT, *data, "--eval-every", "3", "--run-dir", str(tmp_path / "run")])
-    fingerprints = [
-        read_sidecar(p / "train.bin")["tokenizer"]["fingerprint"] for p in (out, prepared)
-    ]
-    expected = ["another tokenizer", str(other.resolve()), *fingerprints]
-    error_line(code, capsys.readouterr().err, expected)
-    assert not (tmp_path / "run").exists()
-
-
-def test_bad_input_is_one_line_and_writes_nothing(tmp_path, corpus, bpe, capsys):
-    (tmp_path / "empty_folder").mkdir()
-    (tmp_path / "slow").mkdir()
-    (tmp_path / "slow" / "vocab.json").write_text("{}")
-    (tmp_path / "garbage.json").write_text("{not json")
-    (tmp_path / "other.json").write_text('{"model": 1}')
-    (tmp_path / "badconfig").mkdir()
-    (tmp_path / "badconfig" / "tokenizer.json").write_bytes(bpe.read_bytes())
-    (tmp_path / "badconfig" / "tokenizer_config.json").write_text("eos?")
-    (tmp_path / "latin1").mkdir()
-    (tmp_path / "latin1" / "a.txt").write_text("fine")
-    (tmp_path / "latin1" / "b.txt").write_bytes("caf\xe9".encode("latin-1"))
-    d = str(tmp_path)
-    cases = [
-        ([str(corpus), "--tokenizer", f"{d}/missing.json"], ["missing.json", "no such file"]),
-        ([str(corpus), "--tokenizer", f"{d}/empty_folder"], ["a folder without tokenizer.json"]),
-        ([str(corpus), "--tokenizer", f"{d}/slow"], ["without tokenizer.json", "vocab.json"]),
-        ([str(corpus), "--tokenizer", f"{d}/garbage.json"], ["garbage.json", "not JSON"]),
-        ([str(corpus), "--tokenizer", f"{d}/other.json"], ["other.json", "tokenizers package"]),
-        (
-            [str(corpus), "--tokenizer", f"{d}/badconfig"],
-            ["tokenizer_config.json", "not readable JSON"],
-        ),
-        (
-            [str(corpus), "--tokenizer", str(bpe)],
-            ["no end-of-document token", "tokenizer_config.json", "config.json", EOS],
-        ),
-        (
-            [str(corpus), "--tokenizer", str(bpe), "--eos-token", "<nope>"],
-            ["--eos-token '<nope>' is not a token", EOS],
-        ),
-        ([str(corpus), "--eos-token", EOS], ["--eos-token", "is for --tokenizer"]),
-        (
-            [f"{d}/latin1", "--tokenizer", str(bpe), "--eos-token", EOS],
-            ["b.txt", "not UTF-8", "0xe9", "offset 3"],
-        ),
-    ]
-    for i, (args, expected) in enumerate(cases):
-        out = tmp_path / f"out{i}"
-        code = data_main(["prepare", *args, "--out", str(out)])
-        captured = capsys.readouterr()
-        error_line(code, captured.err, expected)
-        assert not out.exists(), (args, list(out.iterdir()))
-
-
-def test_a_missing_tokenizers_package_names_the_extra(tmp_path, corpus, bpe, capsys, monkeypatch):
-    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers: ImportError
-    out = tmp_path / "out"
-    code = data_main(["prepare", str(corpus), "--out", str(out), "--tokenizer", str(bpe)])
-    error_line(code, capsys.readouterr().err, ["tokenizers package", "pip install 'jaxdist[text]'"])
-    assert not out.exists()
-
-
-def test_byte_level_prepare_does_not_import_tokenizers(tmp_path, corpus):
-    script = (
-        "import sys; from jaxdist.data.__main__ import main; "
-        f"code = main(['prepare', {str(corpus)!r}, '--out', {str(tmp_path / 'out')!r}]); "
-        "assert code == 0; assert 'tokenizers' not in sys.modules, 'imported'; print('ok')"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr
-    assert read_sidecar(tmp_path / "out" / "train.bin")["vocab_size"] == 257
-
-
-def test_decode_turns_ids_back_into_the_text(prepared, bpe, tmp_path):
+def test_decode_turns_ids_back_into_the_text(prepared, bpe, tmp_path):  # noqa: F811
     tok = tokenizer_lib.load(bpe, EOS)
     assert (tok.vocab_size, tok.eos_id, tok.eos_token) == (VOCAB, 1, EOS)
     assert tok.fingerprint == "sha256:" + hashlib.sha256(bpe.read_bytes()).hexdigest()
