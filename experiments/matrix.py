@@ -21,7 +21,8 @@ Runs:      the built-in GPT on its default data (bytes of the standard library),
            pipeline schedules) are n/a there. The rows named "llama" train the built-in
            Llama (``LLAMA``: grouped-query attention, QK-norm, q/k/v biases, a sliding
            window shorter than the sequence, Llama 3's RoPE scaling, an untied head) with
-           every feature the GPT has.
+           every feature the GPT has; the row named "gemma" Gemma 2 (``GEMMA``: sliding
+           and global layers alternating through pipeline stages, both soft-caps).
 Expected:  every cell "ok": losses within 1e-4 (relative) of the reference, bf16 within 3e-2,
            resumed runs bit for bit; dropout equal to 1 device's where the layout draws one key
            for the global batch and within 3e-2 where it draws one per replica or per

@@ -23,6 +23,8 @@ LAYOUTS = {  # name -> (--mesh, processes)
     # the built-in Llama (LLAMA below), split every way a layer can be and pipelined
     "llama: data=2,fsdp=2,model=2": ("data=2,fsdp=2,model=2", 1),
     "llama: stage=2,fsdp=2,model=2": ("stage=2,fsdp=2,model=2", 1),
+    # Gemma 2 (GEMMA below): its sliding and global layers' kinds through pipeline stages
+    "gemma: stage=2,fsdp=2,model=2": ("stage=2,fsdp=2,model=2", 1),
 }
 RUN = ["--global-batch-size", "16", "--steps", "6", "--log-every", "1"]
 GPT = ["--model", "gpt"]
@@ -38,6 +40,13 @@ LLAMA = [
     *("--sliding-window-tokens", "48", "--no-tie-embeddings", "--rope-type", "llama3"),
     *("--rope-factor", "4", "--rope-original-max-positions", "16", "--ffn-dim", "128"),
 ]
+# Gemma 2 with its differences on: layers 0 and 2 slide over 24 of the 64 positions, 1 and
+# 3 global; both soft-caps low enough to bend these logits; its own query scale
+GEMMA = [
+    *("--model", "gemma", "--n-layers", "4", "--n-kv-heads", "2", "--ffn-dim", "128"),
+    *("--sliding-window-tokens", "24", "--global-layer-every", "2", "--attn-softcap", "5"),
+    *("--final-softcap", "3", "--query-scale-dim", "12"),
+]
 TESTS = Path(__file__).resolve().parents[1] / "tests"  # where explicit_model.py lives
 # The GPT's own flags: what the explicit model (its own blocks, float32) has no use for
 GPT_ONLY = {"bfloat16", "remat block", "dropout", "1f1b", "interleaved"}
@@ -47,6 +56,8 @@ REFERENCE = "1 device"  # every cell's reference: the same flags on one device
 def model_flags(layout: str) -> list[str]:
     if layout.startswith("explicit"):
         return EXPLICIT
+    if layout.startswith("gemma"):
+        return GEMMA
     return LLAMA if layout.startswith("llama") else GPT
 
 
@@ -62,7 +73,7 @@ def mesh_of(layout: str) -> str:
 
 def elastic_target(layout: str) -> str:
     """Where an elastic resume goes: data=8, with the layout row's model."""
-    for model in ("explicit", "llama"):  # the rows of a model other than the GPT
+    for model in ("explicit", "llama", "gemma"):  # the rows of a model other than the GPT
         if layout.startswith(model):
             return f"{model}: data=8"
     return "data=8"

@@ -13,7 +13,7 @@ their initial values so that they count, and saved with ``save_pretrained``:
 
 ``--model-from-config DIR --init-from DIR --init-map FAMILY`` must give the built-in
 Llama whose logits on the same tokens are transformers' (eager attention) within 1e-5,
-under ``--mesh fsdp=2,model=2`` and, for llama, pipeline stages. Then 5 steps are
+under ``--mesh fsdp=2,model=2`` and in pipeline stages (``stage=2,model=2``). Then 5 steps are
 trained (the llama through a 2-stage pipeline), exported with ``python -m jaxdist.export
 --map FAMILY``, loaded by ``AutoModelForCausalLM.from_pretrained``, and its logits must
 be the trained model's. A map without one of its transposes must not pass.
@@ -105,7 +105,8 @@ def jaxdist_logits(run, state) -> np.ndarray:
 @pytest.mark.parametrize(
     "family, mesh",
     [("llama", "fsdp=2,model=2"), ("qwen2", "fsdp=2,model=2"), ("qwen3", "fsdp=2,model=2"),
-     ("mistral", "fsdp=2,model=2"), ("llama", "stage=2,model=2")],
+     ("mistral", "fsdp=2,model=2"), ("llama", "stage=2,model=2"), ("qwen2", "stage=2,model=2"),
+     ("qwen3", "stage=2,model=2"), ("mistral", "stage=2,model=2")],
 )  # fmt: skip
 def test_init_from_gives_transformers_logits(hf_folders, family, mesh):
     # model=2 splits heads (q 2 of 4, k and v 1 of 2 each), the MLP and the vocabulary;

@@ -105,7 +105,8 @@ RESUMED_ELSEWHERE = ["2 procs x 4: fsdp=2,model=4", "explicit, 2 procs x 4: fsdp
 # Two workers' groups, each layout with the rows whose 1-device references it shares (a
 # group's references are run once, in its worker): the stage layouts (4 layers,
 # interleaved, 1F1B) in one, the others, the 2-process one among them, in the other.
-SECOND_GROUP = {"stage=2,data=4", "stage=2,fsdp=2,model=2", "llama: stage=2,fsdp=2,model=2"}
+SECOND_GROUP = {"stage=2,data=4", "stage=2,fsdp=2,model=2", "llama: stage=2,fsdp=2,model=2",
+                "gemma: stage=2,fsdp=2,model=2"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
