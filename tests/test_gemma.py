@@ -10,7 +10,8 @@ head_dim), the four norms moved off their zero start.
 
 ``--model-from-config DIR --init-from DIR --init-map gemma2`` must give transformers'
 logits (eager attention) within 1e-5, unscanned under ``--mesh fsdp=2,model=2`` and as a
-2-stage pipeline of stacked layers (the layer kinds travel with their layers); 5 steps
+2-stage pipeline of stacked layers (the layer kinds travel with their layers) and split
+over ``seq=2`` the all-to-all way; 5 steps
 trained through the pipeline and exported must load in ``from_pretrained`` with the
 trained model's logits. A map with two norms swapped, or a run whose layer pattern is
 not the file's, must not pass.
@@ -89,9 +90,14 @@ def test_layer_kinds_follow_transformers_pattern():
     assert layer_kinds(3, 2, 0) == (GLOBAL,) * 3  # no window: every layer global
 
 
-@pytest.mark.parametrize("mesh", ["fsdp=2,model=2", "stage=2,model=2"])
+@pytest.mark.parametrize(
+    "mesh", ["fsdp=2,model=2", "stage=2,model=2", "seq=2,fsdp=2 --seq-attention all-to-all"]
+)
 def test_init_from_gives_transformers_logits(folder, mesh):
-    config = settings(folder, "--mesh", mesh)
+    # seq=2: each device attends 1 of the 2 key/value heads (2 of 4 query heads) over all
+    # 32 positions, soft-capped and windowed as unsplit
+    mesh, *extra = mesh.split()
+    config = settings(folder, "--mesh", mesh, *extra)
     assert config.model.name == "gemma" and config.model.global_layer_every == 2
     ours, theirs = logits_read_in(config), hf_logits(folder)
     assert ours.shape == theirs.shape == (2, T, VOCAB)
@@ -144,7 +150,7 @@ def test_another_layer_pattern_or_one_not_a_pattern_is_refused(folder, tmp_path)
 @pytest.mark.parametrize(
     "flags, says",
     [(["--attention", "cudnn"], "cuDNN's fused kernel does not"),
-     (["--mesh", "seq=2,data=2"], "no split over seq")],
+     (["--mesh", "seq=2,data=2"], "splits over seq the all-to-all way only")],
 )  # fmt: skip
 def test_what_gemma_cannot_run_is_refused_by_name(folder, flags, says):
     with pytest.raises(ConfigError, match=says):

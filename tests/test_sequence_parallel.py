@@ -149,6 +149,7 @@ def runs():
         "data=8": jaxdist_run(jaxdist.make_mesh(data=8)),
         "ring": jaxdist_run(seq, "ring"),
         "gather": jaxdist_run(seq, "gather"),
+        "all-to-all": jaxdist_run(seq, "all-to-all"),  # 4 heads: 1 per seq device
         "shard_map": jaxdist_run(seq, "gather", strategy="shard_map"),  # per replica, nested
         "plain": plain_loop(),
         "seq=1": dp.program(batch).compile().memory_analysis(),
@@ -159,7 +160,7 @@ ONE_WORKER = pytest.mark.xdist_group("sequence_parallel")  # the runs fixture ma
 
 
 @ONE_WORKER
-@pytest.mark.parametrize("way", ["ring", "gather", "shard_map"])
+@pytest.mark.parametrize("way", ["ring", "gather", "all-to-all", "shard_map"])
 def test_data2_seq4_trains_as_data8_and_a_plain_loop(runs, way):
     losses, params, _, shardings = runs[way]
     for reference in ("data=8", "plain"):
@@ -195,7 +196,7 @@ def test_refusals():
     q = jax.ShapeDtypeStruct((2, 30, 3, 8), np.float32)
     with pytest.raises(jaxdist.ConfigError, match="30 positions does not split into 4"):
         under(mesh, lambda q: attention(q, q, q)).lower(q)
-    with pytest.raises(jaxdist.ConfigError, match="'flash' is not one of ring, gather"):
+    with pytest.raises(jaxdist.ConfigError, match="'flash' is not one of ring, gather, all-to"):
         attention(q, q, q, seq_attention="flash")
 
 

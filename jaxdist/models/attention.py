@@ -18,11 +18,19 @@ window; transformers' mask ``kv_idx > q_idx - W``). Without a mesh, or with seq 
 seq = S > 1 (the ambient one: ``jax.sharding.get_abstract_mesh()``, which jaxdist's step
 sets, and which ``jax.set_mesh`` or a ``shard_map`` set for a user's own code) it runs
 inside a ``jax.shard_map`` manual over ``seq`` only; the batch, heads (``model``) and
-any other axes stay with the compiler. Two ways (``seq_attention``):
+any other axes stay with the compiler. Three ways (``seq_attention``):
 
 - ``"gather"``: all-gather the keys and values over seq, (B, T/S, H, D/H) -> (B, T, ...),
   and attend each device's T/S queries to all T with the causal offset of its block:
   query i of device r sits at position r T/S + i. Simple; K and V whole on every device.
+- ``"all-to-all"`` (DeepSpeed's Ulysses): one ``lax.all_to_all`` each turns q, k and v
+  from T/S positions of every head into all T positions of H/S heads (K/S key/value
+  heads), each device attends its heads over the whole sequence (``jax.nn.dot_product_
+  attention``, causal and windowed as unsplit, with ``implementation`` passed on: a
+  fused kernel applies), and one more turns the output back. Four all-to-alls of
+  (B, T/S, heads, Dh) each, whatever S: less on the wire than the ring's S - 1 hops of
+  K/V blocks once S > 2 or so. S must divide the key/value heads K (a ``ConfigError``
+  names both); query head h keeps reading key/value head h // (H/K).
 - ``"ring"``: the K/V blocks travel round the seq group with ``lax.ppermute``, S - 1 hops,
   and each device folds block after block into an online softmax (a running max and sum
   per query, as flash attention does): the forward pass holds two K/V blocks at a time
@@ -35,9 +43,10 @@ any other axes stay with the compiler. Two ways (``seq_attention``):
   Key/value blocks travel with their K heads; each hop repeats them to H for its
   arithmetic.
 
-T must divide by S (a ``ConfigError`` names both). In the split paths the arithmetic is
-XLA's (float32 logits and softmax statistics, as ``jax.nn.dot_product_attention``'s XLA
-path): a fused kernel (``implementation="cudnn"``) is only used unsplit.
+T must divide by S (a ``ConfigError`` names both). In the ring and gather paths the
+arithmetic is XLA's (float32 logits and softmax statistics, as
+``jax.nn.dot_product_attention``'s XLA path): a fused kernel (``implementation="cudnn"``)
+is used unsplit and under all-to-all only.
 
 A model that calls ``jax.nn.dot_product_attention`` itself still trains under a seq
 axis, with the same numbers, but nothing is split: XLA keeps its sequence whole over seq
@@ -59,7 +68,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.errors import ConfigError
 
 SEQ = "seq"  # the mesh axis (jaxdist.parallel.device_mesh.AXES)
-WAYS = ("ring", "gather")
+WAYS = ("ring", "gather", "all-to-all")
 
 
 def attention(q, k, v, *, causal: bool = True, seq_attention: str = "ring",
@@ -72,17 +81,48 @@ def attention(q, k, v, *, causal: bool = True, seq_attention: str = "ring",
         raise ValueError(f"attention: {k.shape[2]} key/value heads do not divide {q.shape[2]}")
     if window and not causal:
         raise ValueError(f"attention: a window ({window}) of earlier positions is causal only")
+    whole = functools.partial(  # attention over whole sequences: jax's own
+        jax.nn.dot_product_attention, is_causal=causal, implementation=implementation,
+        local_window_size=(window - 1, 0) if window else None,
+    )  # fmt: skip
     mesh = jax.sharding.get_abstract_mesh()
     seq = 1 if mesh.empty else dict(mesh.shape).get(SEQ, 1)
     if seq == 1:
-        return jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation=implementation,
-            local_window_size=(window - 1, 0) if window else None,
-        )  # fmt: skip
+        return whole(q, k, v)
+    if seq_attention == "all-to-all":
+        return over_heads(whole, q, k, v)
     way = _ring_local if seq_attention == "ring" else _gather_local
-    local = functools.partial(way, causal=causal, window=window)
+    return _per_device(functools.partial(way, causal=causal, window=window), mesh, q, k, v)
+
+
+def over_heads(attend, q, k, v, *args):
+    """``attend(q, k, v, *args)``, attention over whole sequences (q (B, T, H, Dh), k, v
+    (B, T, K, Dh) -> (B, T, H, Dh)), run under the ambient mesh's ``seq`` axis as the
+    all-to-all way does: each device attends H/S heads over all T positions. Without a
+    seq axis it is ``attend`` itself. A model whose attention is its own (Gemma's
+    soft-capped logits) splits over seq with it; ``args`` reach ``attend`` whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    seq = 1 if mesh.empty else dict(mesh.shape).get(SEQ, 1)
+    if seq == 1:
+        return attend(q, k, v, *args)
+    _check_heads_split(k.shape[2], seq)
+
+    def to_heads(x):  # (B, T/S, H, Dh) -> (B, T, H/S, Dh): heads out, positions in
+        return lax.all_to_all(x, SEQ, split_axis=2, concat_axis=1, tiled=True)
+
+    def local(q, k, v, *args):
+        out = attend(to_heads(q), to_heads(k), to_heads(v), *args)  # (B, T, H/S, Dh)
+        return lax.all_to_all(out, SEQ, split_axis=1, concat_axis=2, tiled=True)
+
+    return _per_device(local, mesh, q, k, v, *args)
+
+
+def _per_device(local, mesh, q, k, v, *args):
+    """``local(q, k, v, *args)`` on each device's T/S positions, inside a ``shard_map``
+    manual over seq only (``args`` whole on every device)."""
+    seq = dict(mesh.shape)[SEQ]
     if SEQ in mesh.manual_axes:  # already per device (a user's shard_map over seq)
-        return local(q, k, v)
+        return local(q, k, v, *args)
     t = q.shape[1]
     if t % seq:
         raise ConfigError(
@@ -91,9 +131,19 @@ def attention(q, k, v, *, causal: bool = True, seq_attention: str = "ring",
         )
     spec = P(None, SEQ)  # (B, T, H, Dh): T over seq; the rest left to the compiler
     run = jax.shard_map(
-        local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, axis_names={SEQ}
-    )
-    return run(q, k, v)
+        local, mesh=mesh, in_specs=(spec, spec, spec, *[P()] * len(args)), out_specs=spec,
+        axis_names={SEQ},
+    )  # fmt: skip
+    return run(q, k, v, *args)
+
+
+def _check_heads_split(kv_heads: int, seq: int) -> None:
+    if kv_heads % seq:
+        raise ConfigError(
+            f"--seq-attention all-to-all over seq={seq}: the {kv_heads} key/value heads do "
+            f"not split into {seq} equal groups; use ring or gather, or a seq size "
+            f"dividing {kv_heads}"
+        )
 
 
 def _logits(q, k):

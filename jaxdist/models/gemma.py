@@ -19,8 +19,10 @@ The blocks are the Llama's (grouped-query attention, RoPE, a gated MLP) with:
   by ``final_softcap`` (Gemma 2's 30).
 
 Attention is XLA's, written here: no fused kernel soft-caps its logits (cuDNN's is
-refused by name), and the ``seq`` axis's split attention computes plain softmax
-attention, so a ``seq`` mesh axis is refused (``jaxdist.train.config_checks``).
+refused by name). Under a ``seq`` mesh axis it runs the all-to-all way
+(``jaxdist.models.attention.over_heads``: each device attends H/S heads over the whole
+sequence, soft-caps and windows as unsplit); the ring and gather paths compute plain
+softmax attention and are refused by name.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
 
+from jaxdist.errors import ConfigError
 from jaxdist.models import kv_cache
+from jaxdist.models.attention import SEQ, over_heads
 from jaxdist.models.llama import Llama, LlamaBlock, _drop
 
 GLOBAL, SLIDING = 0, 1  # a layer's kind
@@ -111,10 +115,26 @@ class GemmaBlock(LlamaBlock):
         if positions is None:
             positions = jnp.arange(t)[None]  # (1, T)
         q, k, v = self._qkv(x, positions)
+        self._check_seq()
+        att = over_heads(self._whole, q, k, v, jnp.asarray(kind, jnp.int32))
+        return self._rest(x, att)
+
+    def _whole(self, q, k, v, kind):
+        """Attention over whole sequences: q (B, T, H, Dh), k, v (B, T, K, Dh)."""
+        t = q.shape[1]
         behind = jnp.arange(t)[:, None] - jnp.arange(t)[None]  # (T, T)
         mask = visible(behind, self.window, kind)[None, None]  # (1, 1, T, T)
-        att = softcapped_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
-        return self._rest(x, att)
+        return softcapped_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
+
+    def _check_seq(self):
+        mesh = jax.sharding.get_abstract_mesh()
+        seq = 1 if mesh.empty else dict(mesh.shape).get(SEQ, 1)
+        if seq > 1 and self.seq_attention != "all-to-all":
+            raise ConfigError(
+                f"--seq-attention {self.seq_attention} over seq={seq}: Gemma's soft-capped "
+                "attention splits over seq the all-to-all way only (the ring and gather "
+                "compute plain softmax attention); use --seq-attention all-to-all"
+            )
 
     def cached(self, x, cache: dict, start, kind=GLOBAL):
         """As ``LlamaBlock.cached``, with this layer's kind of window."""

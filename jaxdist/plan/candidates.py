@@ -1,5 +1,5 @@
 """The layouts a plan considers: every mesh data x fsdp x model x stage (x seq, for the
-GPT) of the target with ``model`` and ``seq`` inside a node, each with the microbatch
+GPT and the Llama) of the target with ``model`` and ``seq`` inside a node, each with the microbatch
 counts (grad_accum) its batch rows allow and the remat modes; and the screen that
 discards a mesh without compiling when the state alone cannot fit."""
 
@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from jaxdist.plan.targets import Target
 
 REMAT_LIGHTEST_FIRST = ("none", "block", "full")
+REMAT_MODELS = ("gpt", "llama", "gemma")  # the built-in models whose --remat a plan sets
+SEQ_MODELS = ("gpt", "llama")  # ... and whose sequence it may split (Gemma's: refused)
 
 
 @dataclass(frozen=True, order=True)
@@ -23,6 +25,7 @@ class Layout:
     seq: int = 1  # the sequence split over seq: activations split, the state not
     zero: bool = False  # --shard-optimizer: the optimizer state split over data too
     schedule: str = "gpipe"  # --pipeline-schedule, with stages
+    seq_way: str = "ring"  # --seq-attention, with seq: ring or all-to-all
 
     @property
     def mesh(self) -> str:
@@ -38,14 +41,17 @@ class Layout:
 
     @property
     def option_flags(self) -> list[str]:
-        """The memory options' flags: ``--shard-optimizer``, ``--pipeline-schedule 1f1b``."""
+        """The options' flags: ``--shard-optimizer``, ``--pipeline-schedule 1f1b``,
+        ``--seq-attention all-to-all``."""
         flags = ["--shard-optimizer"] if self.zero else []
+        flags += ["--seq-attention", self.seq_way] if self.seq > 1 else []
         return flags + (["--pipeline-schedule", self.schedule] if self.stage > 1 else [])
 
     @property
     def option_names(self) -> str:
-        """The options as the table's column shows them: "zero1 1f1b", "-"."""
+        """The options as the table's column shows them: "zero1 1f1b", "ring", "-"."""
         names = ["zero1"] if self.zero else []
+        names += [self.seq_way] if self.seq > 1 else []
         names += [self.schedule] if self.stage > 1 else []
         return " ".join(names) or "-"
 

@@ -10,7 +10,8 @@ end past it, judged by the longest of the last four.
 2. each mesh's floor: compiled with the most microbatches its rows allow (and, unless
    ``--remat`` is given, ``--remat full``): the least memory that mesh can reach;
 3. for the meshes that fit, fastest first: the fewest microbatches that still fit
-   (a binary search), then lighter remat at that count.
+   (a binary search), then lighter remat at that count, then each memory option off and,
+   with seq, all-to-all attention in place of the ring (``refine.option_changes``).
 A layout the model's dimensions cannot split is discarded by the layout function's own
 error in its worker.
 
@@ -33,7 +34,7 @@ from jaxdist.plan import candidates as cands
 from jaxdist.plan import gpu_compiler
 from jaxdist.plan.estimate import EFFICIENCY, StepTime, step_time
 from jaxdist.plan.pool import Pool, environment
-from jaxdist.plan.refine import Refine
+from jaxdist.plan.refine import Fixed, Refine, floor_options, option_changes
 from jaxdist.plan.table import train_command
 from jaxdist.plan.targets import Target, parse_target
 from jaxdist.train import compile_only
@@ -142,9 +143,9 @@ def _plan(train_flags: list[str], target: Target, options: Options, progress, t0
                 )
     search.finish()
     best = search.best()
-    gpt = base.model.name == "gpt"
+    builtin = base.model.name in cands.REMAT_MODELS
     fraction = options.memory_fraction
-    command = train_command(train_flags, best.layout, target, fraction, gpt) if best else ""
+    command = train_command(train_flags, best.layout, target, fraction, builtin) if best else ""
     return Plan(target, capacity, options, search.all, best, command, state_bytes,
                 time.perf_counter() - t0, base.model.dtype)  # fmt: skip
 
@@ -160,12 +161,12 @@ class _Search:
         self.fixed_accum = train.get("grad_accum")
         # the memory options the user set are kept; else a floor takes them (ZeRO-1 where
         # data > 1, 1F1B where stages), and refining tries the run without them
-        self.fixed_zero, self.fixed_schedule = (
-            train.get("shard_optimizer"),
-            train.get("pipeline_schedule"),
-        )
-        gpt = base.model.name == "gpt"
-        self.fixed_remat = model.get("remat") if gpt else base.model.remat
+        heads = base.model.n_kv_heads or base.model.n_heads
+        self.fixed = Fixed(train.get("shard_optimizer"), train.get("pipeline_schedule"),
+                           model.get("seq_attention"), heads)  # fmt: skip
+        # the built-in transformers' --remat is the plan's to choose where not given
+        self.builtin = base.model.name in cands.REMAT_MODELS
+        self.fixed_remat = model.get("remat") if self.builtin else base.model.remat
         fixed = {k: v for k, v in parse_mesh(base.train.mesh).items() if v != -1}
         if base.train.strategy != "gspmd":  # pmap and shard_map take data only
             fixed = {**fixed, "fsdp": 1, "model": 1, "stage": 1, "seq": 1}
@@ -176,7 +177,7 @@ class _Search:
             cands.search_order, per_node=target.devices_per_node, param_bytes=param_bytes,
             data_first=replicated,
         )  # fmt: skip
-        seq_len = base.model.seq_len if gpt else 0  # the GPT's sequence may split over seq
+        seq_len = base.model.seq_len if base.model.name in cands.SEQ_MODELS else 0
         for mesh in sorted(cands.meshes(target, fixed, seq_len), key=order):
             self._screen(mesh, state_bytes, param_bytes)
         self.refining: list[Refine] = []  # fitting meshes, best estimate first
@@ -193,7 +194,7 @@ class _Search:
             options = [a for a in options if a == self.fixed_accum]
         layout = mesh.with_(grad_accum=options[-1] if options else 1,
                             remat=self.fixed_remat or "full")  # fmt: skip
-        layout = layout.with_(**self._floor_options(mesh))
+        layout = layout.with_(**floor_options(mesh, self.fixed))
         floor = cands.state_floor_bytes(layout, state_bytes, param_bytes)
         if not options:
             batch, shards = self.base.train.global_batch_size, mesh.data * mesh.fsdp
@@ -208,22 +209,6 @@ class _Search:
         else:
             self.queue.append(self._add(layout, "floor", "pending", "", options))
 
-    def _floor_options(self, mesh: cands.Layout) -> dict:
-        """The memory options of a mesh's floor: the user's, else those that save memory."""
-        zero = self.fixed_zero if self.fixed_zero is not None else mesh.data > 1
-        schedule = self.fixed_schedule or ("1f1b" if mesh.stage > 1 else "gpipe")
-        return {"zero": bool(zero) and mesh.data > 1, "schedule": schedule}
-
-    def lighter_options(self, layout: cands.Layout) -> list[dict]:
-        """Changes to try once a mesh fits: each memory option off (GPipe rather than 1F1B,
-        the optimizer state whole), unless the user set it."""
-        changes = []
-        if layout.stage > 1 and self.fixed_schedule is None and layout.schedule != "gpipe":
-            changes.append({"schedule": "gpipe"})
-        if layout.zero and self.fixed_zero is None:
-            changes.append({"zero": False})
-        return changes
-
     def _add(self, layout, phase, status, why, options=None) -> Candidate:
         c = Candidate(layout, phase, status, why, tree=self._tree(layout), options=options or [])
         self.all.append(c)
@@ -235,8 +220,10 @@ class _Search:
         train.update(mesh=layout.mesh, grad_accum=layout.grad_accum, num_devices=0)
         train.update(shard_optimizer=layout.zero, pipeline_schedule=layout.schedule)
         train.pop("cpu_devices", None)
-        if self.base.model.name == "gpt":
+        if self.builtin:
             tree.setdefault("model", {})["remat"] = layout.remat
+        if layout.seq > 1:
+            tree.setdefault("model", {})["seq_attention"] = layout.seq_way
         return tree
 
     def next_task(self, t0: float) -> Candidate | None:
@@ -282,7 +269,7 @@ class _Search:
             c.refine.learn(c)
         elif c.fits:  # a floor that fits: search it for fewer microbatches, lighter remat
             remats = [] if self.fixed_remat else ["block", "none"]
-            self.refining.append(Refine(c, remats, self.lighter_options(c.layout)))
+            self.refining.append(Refine(c, remats, option_changes(c.layout, self.fixed)))
             self.refining.sort(key=lambda r: r.step_s)
 
     def finish(self) -> None:

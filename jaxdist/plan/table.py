@@ -114,7 +114,7 @@ def _row(cells: list[str], mesh_width: int) -> str:
 def train_command(train_flags, layout, target: Target, memory_fraction: float, gpt: bool) -> str:
     """The user's flags with the plan's layout: ``python -m jaxdist.train ...``."""
     kept, skip = [], {"--mesh", "--grad-accum", "--remat", "--cpu-devices", "--num-devices",
-                      "--shard-optimizer", "--pipeline-schedule"}  # fmt: skip
+                      "--shard-optimizer", "--pipeline-schedule", "--seq-attention"}  # fmt: skip
     flags = list(train_flags)
     while flags:
         flag = flags.pop(0)

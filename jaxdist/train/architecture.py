@@ -54,8 +54,9 @@ class ModelConfig:
     # step time, 16-32% less peak memory at GPT-2 124M/355M on an H200:
     # experiments/PERF.md), else 0
     loss_chunks: int = -1
-    # attention over a `seq` mesh axis: gather the keys and values, or ring (ppermute)
-    seq_attention: Literal["gather", "ring"] = "ring"
+    # attention over a `seq` mesh axis: gather the keys and values, ring (ppermute), or
+    # all-to-all (Ulysses: heads split over seq for attention; seq must divide kv heads)
+    seq_attention: Literal["gather", "ring", "all-to-all"] = "ring"
     layer_norm_eps: float = 1e-6  # gpt: LayerNorm's epsilon (GPT-2's is 1e-5)
     # llama: the Llama family's decoder (jaxdist/models/llama.py; docs/models.md), sized by
     # vocab_size, d_model, n_layers, n_heads as the GPT, and:

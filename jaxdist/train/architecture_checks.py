@@ -19,7 +19,7 @@ LLAMA_FAMILY = ("llama", "gemma")  # the built-in models of the Llama's blocks a
 
 
 def check_gemma(model, mesh: str) -> None:
-    """Gemma's soft-capped attention: XLA's kernel only, and no split over ``seq``."""
+    """Gemma's soft-capped attention: XLA's kernel only, split over ``seq`` by all-to-all."""
     if model.name != "gemma":
         return
     if model.attention == "cudnn":
@@ -35,10 +35,11 @@ def check_gemma(model, mesh: str) -> None:
     from jaxdist.parallel.device_mesh import parse_mesh
 
     seq = parse_mesh(mesh).get("seq", 1) if mesh else 1
-    if seq != 1:
+    if seq != 1 and model.seq_attention != "all-to-all":
         raise ConfigError(
-            f"--mesh {mesh}: --model gemma's soft-capped attention has no split over seq "
-            "(the ring and gather paths compute plain softmax attention); drop the seq axis"
+            f"--mesh {mesh} with --seq-attention {model.seq_attention}: --model gemma's "
+            "soft-capped attention splits over seq the all-to-all way only (the ring and "
+            "gather compute plain softmax attention); use --seq-attention all-to-all"
         )
 
 
