@@ -31,17 +31,18 @@ any other axes stay with the compiler. Three ways (``seq_attention``):
   (B, T/S, heads, Dh) each, whatever S: less on the wire than the ring's S - 1 hops of
   K/V blocks once S > 2 or so. S must divide the key/value heads K (a ``ConfigError``
   names both); query head h keeps reading key/value head h // (H/K).
-- ``"ring"``: the K/V blocks travel round the seq group with ``lax.ppermute``, S - 1 hops,
-  and each device folds block after block into an online softmax (a running max and sum
-  per query, as flash attention does): the forward pass holds two K/V blocks at a time
-  (the backward pass keeps each hop's, as gather keeps all). The next block's send is
-  issued before the current block's arithmetic, so the compiler may overlap them.
-  Causal: the diagonal block is masked, blocks from later positions are skipped
-  (``lax.cond``: no arithmetic), earlier ones attend unmasked. With a window, a block is
-  masked where part of it is out of reach and not visited where all of it is: the
-  ring stops after the last hop whose block a query can reach (ceil((W - 1) / (T/S)) hops).
-  Key/value blocks travel with their K heads; each hop repeats them to H for its
-  arithmetic.
+- ``"ring"`` (``jaxdist.models.ring``): the K/V blocks travel round the seq group with
+  ``lax.ppermute``, S - 1 hops, and each device folds block after block into an online
+  softmax (a running max and sum per query, as flash attention does): the forward pass
+  holds two K/V blocks at a time (the backward pass keeps each hop's, as gather keeps
+  all). The next block's send is issued before the current block's arithmetic, so the
+  compiler may overlap them. Causal without a window it is balanced: the positions are
+  exchanged into the zig-zag order first (device r holds chunks r and 2S-1-r of the
+  sequence cut in 2S; T must divide by 2S) and back after, so every device computes
+  the same half block per hop. With a window it stays in contiguous order: a block is
+  masked where part of it is out of reach and not visited where all of it is (the ring
+  stops after ceil((W - 1) / (T/S)) hops). Key/value blocks travel with their K heads;
+  each hop repeats them to H for its arithmetic.
 
 T must divide by S (a ``ConfigError`` names both). In the ring and gather paths the
 arithmetic is XLA's (float32 logits and softmax statistics, as
@@ -58,16 +59,14 @@ memory per device is what it would be without the seq axis.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.errors import ConfigError
+from jaxdist.models.ring import SEQ, causal_mask, ring
 
-SEQ = "seq"  # the mesh axis (jaxdist.parallel.device_mesh.AXES)
 WAYS = ("ring", "gather", "all-to-all")
 
 
@@ -91,7 +90,14 @@ def attention(q, k, v, *, causal: bool = True, seq_attention: str = "ring",
         return whole(q, k, v)
     if seq_attention == "all-to-all":
         return over_heads(whole, q, k, v)
-    way = _ring_local if seq_attention == "ring" else _gather_local
+    t = q.shape[1]
+    if seq_attention == "ring" and causal and not window and t % seq == 0 and t // seq % 2:
+        raise ConfigError(
+            f"attention over seq={seq}: the balanced causal ring cuts the sequence into "
+            f"2 x {seq} chunks, which {t} positions do not make; use a sequence length "
+            f"divisible by {2 * seq}, or --seq-attention gather or all-to-all"
+        )
+    way = ring if seq_attention == "ring" else _gather_local
     return _per_device(functools.partial(way, causal=causal, window=window), mesh, q, k, v)
 
 
@@ -146,21 +152,6 @@ def _check_heads_split(kv_heads: int, seq: int) -> None:
         )
 
 
-def _logits(q, k):
-    """(B, Tq, H, Dh) x (B, Tk, H, Dh) -> (B, H, Tq, Tk) float32, scaled by 1/sqrt(Dh)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
-
-
-def _causal_mask(tq: int, tk: int, q_start, k_start, window: int = 0):
-    """(Tq, Tk): True where key position k_start + j is at or before q_start + i (and,
-    with a window, fewer than ``window`` positions before it)."""
-    q_pos = q_start + jnp.arange(tq)
-    k_pos = k_start + jnp.arange(tk)
-    behind = q_pos[:, None] - k_pos[None, :]  # how far each key is behind each query
-    return (behind >= 0) & (behind < window) if window else behind >= 0
-
-
 def _gather_local(q, k, v, *, causal: bool, window: int = 0):
     """One device's T/S queries against all T keys, gathered over seq."""
     k_all = lax.all_gather(k, SEQ, axis=1, tiled=True)  # (B, T, K, Dh)
@@ -169,56 +160,5 @@ def _gather_local(q, k, v, *, causal: bool, window: int = 0):
     mask = None
     if causal:  # query i of device r is position r Tq + i
         start = lax.axis_index(SEQ) * tq
-        mask = _causal_mask(tq, k_all.shape[1], start, 0, window)[None, None]
+        mask = causal_mask(tq, k_all.shape[1], start, 0, window)[None, None]
     return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask, implementation="xla")
-
-
-def _fold(state, q, k, v, mask=None):
-    """The online softmax: ``state`` = (running max (B, H, Tq), running sum (B, H, Tq),
-    unnormalised output (B, Tq, H, Dh), float32) with one more K/V block folded in."""
-    group = q.shape[2] // k.shape[2]  # query heads per key/value head (GQA)
-    if group > 1:  # (B, Tk, K, Dh) -> (B, Tk, H, Dh): head h reads kv head h // group
-        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-    logits = _logits(q, k)  # (B, H, Tq, Tk)
-    if mask is not None:
-        logits = jnp.where(mask, logits, -jnp.inf)
-    block_max = logits.max(-1)
-    if state is None:  # the first block (the diagonal one: every row has a key)
-        top, rescale = block_max, None
-    else:
-        top = jnp.maximum(state[0], block_max)
-        rescale = jnp.exp(state[0] - top)  # (B, H, Tq): the old terms at the new max
-    p = jnp.exp(logits - top[..., None])
-    total = p.sum(-1)
-    out = jnp.einsum("bhqk,bkhd->bqhd", p, v.astype(jnp.float32))
-    if rescale is not None:
-        total = total + state[1] * rescale
-        out = out + state[2] * rescale.transpose(0, 2, 1)[..., None]
-    return top, total, out
-
-
-def _ring_local(q, k, v, *, causal: bool, window: int = 0):
-    """One device's queries against every K/V block, the blocks passed round the ring:
-    at hop s device r holds the block of device (r - s) mod S."""
-    size, me = lax.axis_size(SEQ), lax.axis_index(SEQ)
-    forward = [(i, (i + 1) % size) for i in range(size)]
-    tq = q.shape[1]
-    mask = _causal_mask(tq, tq, 0, 0, window)[None, None] if causal else None
-    # With a window, hops whose block lies wholly beyond it are never made: the nearest
-    # key of hop s's block is s Tq - (Tq - 1) positions behind the farthest query.
-    hops = min(size, -(-(window - 1) // tq) + 1) if window else size
-    arriving = lax.ppermute((k, v), SEQ, forward) if hops > 1 else None  # during hop 0
-    state = _fold(None, q, k, v, mask)  # hop 0: its own block, the diagonal
-    for hop in range(1, hops):
-        k, v = arriving
-        if hop + 1 < hops:  # the next block's send, issued before this block's arithmetic
-            arriving = lax.ppermute((k, v), SEQ, forward)
-        # hop s's keys sit exactly s Tq positions earlier than the diagonal's: a fixed mask
-        far = _causal_mask(tq, tq, hop * tq, 0, window)[None, None] if window else None
-        if causal:  # block (r - hop) mod S is earlier than r iff hop <= r; else skipped
-            fold = functools.partial(_fold, q=q, k=k, v=v, mask=far)
-            state = lax.cond(hop <= me, fold, lambda s: s, state)
-        else:
-            state = _fold(state, q, k, v)
-    _, total, out = state
-    return (out / total.transpose(0, 2, 1)[..., None]).astype(q.dtype)
