@@ -28,6 +28,7 @@ import yaml
 torch = pytest.importorskip("torch", reason="the hf extra: pip install 'jaxdist[hf]'")
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'jaxdist[hf]'")
 
+from hf_reference import eager_logits, nudged_and_saved  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
 from jaxdist.export import main as export_main  # noqa: E402
 from jaxdist.models.gemma import GLOBAL, SLIDING, layer_kinds  # noqa: E402
@@ -50,21 +51,12 @@ def folder(tmp_path_factory):
         **GEMMA,
     )  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # the norms' w starts at 0 (scale 1 + w): make them count
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.3 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("gemma2")
-    model.save_pretrained(path)
-    return path
+    # the norms' w starts at 0 (scale 1 + w): moved so that they count
+    return nudged_and_saved(model, tmp_path_factory.mktemp("gemma2"), ("norm",), 0.3)
 
 
 def hf_logits(path) -> np.ndarray:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        return model(torch.tensor(TOKENS)).logits.numpy()
+    return eager_logits(path, TOKENS)
 
 
 def settings(path, *extra: str, init_map: str = "gemma2"):

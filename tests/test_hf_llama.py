@@ -32,6 +32,7 @@ import yaml
 torch = pytest.importorskip("torch", reason="the hf extra: pip install 'jaxdist[hf]'")
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'jaxdist[hf]'")
 
+from hf_reference import eager_logits, nudged_and_saved  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
 from jaxdist.export import main as export_main  # noqa: E402
 from jaxdist.train import config as config_lib  # noqa: E402
@@ -64,21 +65,14 @@ def hf_folders(tmp_path_factory):
             num_attention_heads=HEADS, bos_token_id=None, eos_token_id=None, **extra,
         )  # fmt: skip
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
-        with torch.no_grad():  # norms start at 1 and biases at 0: make them count
-            for param_name, p in model.named_parameters():
-                if "norm" in param_name or "bias" in param_name:
-                    p.add_(0.2 * torch.randn_like(p))
-        folders[family] = tmp_path_factory.mktemp(family)
-        model.save_pretrained(folders[family])
+        # norms start at 1 and biases at 0: moved so that they count
+        folder = tmp_path_factory.mktemp(family)
+        folders[family] = nudged_and_saved(model, folder, ("norm", "bias"), 0.2)
     return folders
 
 
 def hf_logits(folder) -> np.ndarray:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        return model(torch.tensor(TOKENS)).logits.numpy()
+    return eager_logits(folder, TOKENS)
 
 
 def settings(folder, family: str, *extra: str):
