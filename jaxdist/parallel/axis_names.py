@@ -44,6 +44,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "stage": "stage",
     "length": None,
     "norm": None,
+    "expert": None,  # a mixture's experts: replicated where no mesh axis splits them
 }
 NULL = ("null", "none", "None", "")  # --axis-names kv=null: replicated on purpose
 
