@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxdist.errors import ConfigError
-from jaxdist.parallel.device_mesh import DATA, SEQ, batch_shards
+from jaxdist.parallel.device_mesh import DATA, EXPERT, SEQ, batch_shards
 from jaxdist.parallel.layout import Layout
 
 NAMES = ("pmap", "shard_map", "gspmd")
@@ -41,6 +41,12 @@ def layout(name: str, mesh: Mesh, rules=(), axis_names=None, shard_optimizer=Fal
         raise ConfigError(
             "--shard-optimizer: pmap keeps one whole copy of the state per device; use "
             "--strategy gspmd (or shard_map) to split the optimizer state over data"
+        )
+    if mesh.shape.get(EXPERT, 1) > 1 and name == "pmap":
+        raise ConfigError(
+            f"strategy pmap: --mesh expert={mesh.shape[EXPERT]} splits a MoE's experts over "
+            "devices, which needs the mesh inside the step; pmap only copies the model per "
+            "device. Use --strategy gspmd (or shard_map)"
         )
     beyond_data = {a: n for a, n in mesh.shape.items() if a != DATA and n > 1}
     if beyond_data and name == "pmap":
@@ -77,13 +83,16 @@ def wants_per_replica(name: str, mesh: Mesh, grad_accum: int, has_batch_stats: b
     and under fsdp CPU's XLA all-reduces whole gradients (no reduce-scatter). Not for a
     model with batch statistics: gspmd promises the global batch's, and per replica they
     would be each device's. Nor with a model axis: at the boundary of the per-replica
-    region XLA gathers model-split weights whole, which costs more than it saves."""
+    region XLA gathers model-split weights whole, which costs more than it saves. Nor
+    with an expert axis: a MoE's load-balancing loss is not linear in the rows, and
+    gspmd promises the global batch's (as the 1-device run computes it)."""
     if name == "shard_map":
         return True
     shape = mesh.shape
     looped = grad_accum > 1 or shape.get("stage", 1) > 1
     wanted = looped or shape.get("fsdp", 1) > 1
-    return name == "gspmd" and wanted and shape.get("model", 1) == 1 and not has_batch_stats
+    alone = shape.get("model", 1) == 1 and shape.get(EXPERT, 1) == 1
+    return name == "gspmd" and wanted and alone and not has_batch_stats
 
 
 def example_rows(name: str, mesh: Mesh, grad_accum: int, batch):
