@@ -44,7 +44,7 @@ def inputs():
 def objective_of(graphdef, probe):
     def objective(state, x):
         y, aux = nnx.merge(graphdef, state)(x)
-        loss = jnp.sum(y * probe) + 0.1 * aux.load_balance_loss + 0.01 * aux.z_loss
+        loss = jnp.sum(y * probe) + 0.1 * aux.load_balance_loss.mean() + 0.01 * aux.z_loss.mean()
         return loss, (y, aux.dropped)
 
     return jax.value_and_grad(objective, argnums=(0, 1), has_aux=True)
@@ -92,9 +92,9 @@ def test_split_experts_give_the_unsplit_numbers(layout, mode):
     for (path, a), (_, b) in zip(flat0, flat1, strict=True):
         np.testing.assert_allclose(b.get_value(), a.get_value(), rtol=TOL, atol=TOL,
                                    err_msg="/".join(map(str, path)))  # fmt: skip
-    assert int(dropped1) == int(dropped0)
+    np.testing.assert_array_equal(dropped1, dropped0)  # per row: the same pairs dropped
     if mode == "capacity":
-        assert int(dropped0) > 0  # C = 3 of the 4 pairs an expert gets on average
+        assert dropped0.sum() > 0  # C = 3 of the 4 pairs an expert gets on average
 
 
 @pytest.mark.parametrize(
@@ -178,28 +178,37 @@ class Tiny(nnx.Module):
 
 
 def tiny_loss(model, batch):
-    y, _ = model(batch["x"])
-    return jnp.mean(jnp.square(y - batch["y"]))  # no aux: linear in the rows
+    y, aux = model(batch["x"])  # aux per row: the batch's mean is the same on any split
+    loss = jnp.mean(jnp.square(y - batch["y"])) + 0.1 * jnp.mean(aux.load_balance_loss)
+    return loss, {"dropped": jnp.mean(aux.dropped)}
 
 
-@pytest.mark.parametrize("strategy", ["gspmd", "shard_map"])
-def test_a_step_on_expert4_data2_is_the_one_device_step(strategy):
+STEPS = {
+    "gspmd_expert4_data2": ("gspmd", dict(expert=4, data=2)),
+    "gspmd_expert2_fsdp2": ("gspmd", dict(expert=2, fsdp=2, data=2)),  # its per-replica path
+    "shard_map_expert4_data2": ("shard_map", dict(expert=4, data=2)),
+}
+
+
+@pytest.mark.parametrize("strategy, sizes", STEPS.values(), ids=list(STEPS))
+@pytest.mark.parametrize("mode", ["dropless", "capacity"])
+def test_a_step_is_the_one_device_step(strategy, sizes, mode):
     """The trainer's step, both strategies that take expert: one SGD step's parameters
-    equal the one-device step's (shard_map: each replica's expert gradients summed over
-    its group by the all_to_alls, averaged by hand)."""
+    and metrics equal the one-device step's (per replica: each replica's expert gradients
+    summed over its group by the all_to_alls, averaged by hand)."""
     x, y = inputs()
     batch = {"x": np.asarray(x), "y": np.asarray(y)}
 
     def one_step(mesh, strategy):
-        with jax.set_mesh(mesh):
-            model = Tiny(nnx.Rngs(0))
+        model = Tiny(nnx.Rngs(0), **MODES[mode])
         dp = jaxdist.Parallel(model, optax.sgd(0.5), tiny_loss, mesh=mesh, strategy=strategy)
-        state, _ = dp.step(dp.init_state(), jaxdist.shard_batch(batch, mesh))
-        return {"/".join(map(str, p)): np.asarray(v.get_value())
-                for p, v in nnx.to_flat_state(state.params)}  # fmt: skip
+        state, metrics = dp.step(dp.init_state(), jaxdist.shard_batch(batch, mesh))
+        out = {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(state.params)}
+        return {**out, **{k: metrics[k] for k in ("loss", "dropped")}}
 
     want = one_step(jaxdist.make_mesh(data=1), "gspmd")
-    got = one_step(jaxdist.make_mesh(expert=4, data=2), strategy)
+    got = one_step(jaxdist.make_mesh(**sizes), strategy)
     assert want.keys() == got.keys()
+    assert (want["dropped"] > 0) == (mode == "capacity")
     moved = [k for k in want if not np.allclose(want[k], got[k], rtol=TOL, atol=TOL)]
     assert not moved, moved

@@ -74,7 +74,8 @@ def expert_split() -> int:
 def routed(moe, x: jax.Array, weights: jax.Array, experts: jax.Array):
     """The routed experts' output of ``MoE`` ``moe`` over the ambient mesh's expert axis:
     x (B, T, D) in ``moe.dtype``, weights (B, T, k) float32, experts (B, T, k) int32 ->
-    ((B, T, D) float32, dropped pairs () int32), as ``MoE._capacity`` / ``_dropless``."""
+    ((B, T, D) float32, each row's dropped pairs (B,) float32), as ``MoE._capacity`` /
+    ``_dropless``."""
     mesh = jax.sharding.get_abstract_mesh()
     n, e, b = dict(mesh.shape)[EXPERT], moe.n_experts, x.shape[0]
     if e % n:
@@ -90,8 +91,8 @@ def routed(moe, x: jax.Array, weights: jax.Array, experts: jax.Array):
     else:
         local = lambda *a: _dropless_local(*a, n=n, dtype=moe.dtype)  # noqa: E731
     kernels = moe._kernels()  # gate, up (E, D, F); down (E, F, D)
-    if EXPERT in mesh.manual_axes:  # already per replica: rows and kernels are local,
-        return local(x, weights, experts, *kernels)  # and so is the count, as its metrics
+    if EXPERT in mesh.manual_axes:  # already per replica: rows and kernels are local
+        return local(x, weights, experts, *kernels)
     # Manual over every axis that splits rows: the batch arrives with rows over (data,
     # fsdp, expert), expert fastest, and in_specs of the same order move nothing. (Manual
     # over expert alone, Shardy wants expert outermost on the rows, and XLA gathers the
@@ -106,13 +107,9 @@ def routed(moe, x: jax.Array, weights: jax.Array, experts: jax.Array):
             f"{shards} devices; use a batch divisible by {shards}"
         )
 
-    def body(*args):
-        y, dropped = local(*args)
-        return y, lax.psum(dropped, row_axes)
-
-    rows = P(row_axes)
+    rows = P(row_axes)  # y (B, T, D) and dropped (B,) by rows, as the inputs
     run = jax.shard_map(
-        body, mesh=mesh, in_specs=(rows,) * 3 + (P(EXPERT),) * 3, out_specs=(rows, P()),
+        local, mesh=mesh, in_specs=(rows,) * 3 + (P(EXPERT),) * 3, out_specs=(rows, rows),
         axis_names=set(row_axes),
     )  # fmt: skip
     return run(x, weights, experts, *kernels)
@@ -131,7 +128,7 @@ def _owner_of(experts: jax.Array, n: int, e: int):
 
 def _dropless_local(x, weights, experts, gate, up, down, *, n: int, dtype):
     """One device's rows x (b, T, D), routing (b, T, k), its E/N experts' kernels ->
-    ((b, T, D) float32, 0): every pair through its expert, none dropped."""
+    ((b, T, D) float32, (b,) zeros): every pair through its expert, none dropped."""
     b, t, d = x.shape
     k, per = experts.shape[-1], gate.shape[0]
     tokens, m = b * t, min(k, per)  # m: the most pairs of one token one device can take
@@ -155,13 +152,15 @@ def _dropless_local(x, weights, experts, gate, up, down, *, n: int, dtype):
     out = jnp.zeros_like(out).at[order].set(out)  # back in received order
     back = _exchange(out.reshape(n, tokens * m, d))  # my rows' results, by destination
     pairs = back[dest, slot].reshape(b, t, k, d)
-    return jnp.einsum("btkd,btk->btd", pairs.astype(jnp.float32), weights), jnp.zeros((), jnp.int32)
+    y = jnp.einsum("btkd,btk->btd", pairs.astype(jnp.float32), weights)
+    return y, jnp.zeros((b,), jnp.float32)
 
 
 def _capacity_local(x, weights, experts, gate, up, down, *, c: int, n: int, dtype):
     """As ``MoE._capacity`` on one device's b whole sequences: the same (b, E, C, D)
     buffer (per sequence, an expert's pairs past its C-th dropped), cut by the device
-    that owns each expert, exchanged, run, and sent back -> ((b, T, D) float32, dropped)."""
+    that owns each expert, exchanged, run, and sent back -> ((b, T, D) float32, each
+    row's dropped pairs (b,) float32)."""
     b, t, d = x.shape
     k, per = experts.shape[-1], gate.shape[0]
     e = per * n
@@ -182,7 +181,7 @@ def _capacity_local(x, weights, experts, gate, up, down, *, c: int, n: int, dtyp
     pairs = out[seq, flat, jnp.minimum(slot, c - 1)]  # (b, T*k, D)
     pairs = jnp.where(keep[..., None], pairs, 0).reshape(b, t, k, d)
     y = jnp.einsum("btkd,btk->btd", pairs.astype(jnp.float32), weights)
-    return y, jnp.sum(~keep, dtype=jnp.int32)
+    return y, jnp.sum(~keep, axis=-1).astype(jnp.float32)
 
 
 def wire_bytes(tokens: int, top_k: int, d_model: int, itemsize: int, n: int, n_experts: int,

@@ -83,16 +83,13 @@ def wants_per_replica(name: str, mesh: Mesh, grad_accum: int, has_batch_stats: b
     and under fsdp CPU's XLA all-reduces whole gradients (no reduce-scatter). Not for a
     model with batch statistics: gspmd promises the global batch's, and per replica they
     would be each device's. Nor with a model axis: at the boundary of the per-replica
-    region XLA gathers model-split weights whole, which costs more than it saves. Nor
-    with an expert axis: a MoE's load-balancing loss is not linear in the rows, and
-    gspmd promises the global batch's (as the 1-device run computes it)."""
+    region XLA gathers model-split weights whole, which costs more than it saves."""
     if name == "shard_map":
         return True
     shape = mesh.shape
     looped = grad_accum > 1 or shape.get("stage", 1) > 1
     wanted = looped or shape.get("fsdp", 1) > 1
-    alone = shape.get("model", 1) == 1 and shape.get(EXPERT, 1) == 1
-    return name == "gspmd" and wanted and alone and not has_batch_stats
+    return name == "gspmd" and wanted and shape.get("model", 1) == 1 and not has_batch_stats
 
 
 def example_rows(name: str, mesh: Mesh, grad_accum: int, batch):
