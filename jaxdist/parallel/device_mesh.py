@@ -172,7 +172,11 @@ def batch_spec(mesh: Mesh, shape=None) -> P:
     (tokens (B, T)): that dimension over ``seq`` too. A dimension seq does not divide
     (the trainer's (B, T + 1) tokens: inputs and shifted targets) stays whole over seq;
     the model splits its activations itself (``jaxdist.models.attention``)."""
-    rows = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    # expert only where it splits: a size-1 expert left out keeps the (data, fsdp) rows an
+    # explicit-sharding model names (their types must match, size 1 or not)
+    rows = tuple(
+        a for a in BATCH_AXES if a in mesh.axis_names and (a != EXPERT or mesh.shape[a] > 1)
+    )
     seq = mesh.shape.get(SEQ, 1)
     if seq > 1 and shape is not None and len(shape) >= 2 and shape[1] % seq == 0:
         return P(rows, SEQ)
