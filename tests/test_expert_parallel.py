@@ -147,6 +147,23 @@ def test_make_mesh_and_mesh_flag_take_expert():
     assert batch_blocks_by_process(mesh) == {0: tuple(range(8))}
 
 
+@pytest.mark.parametrize("sizes", [dict(data=2, expert=4), dict(fsdp=2, expert=2, data=2)])
+def test_two_processes_load_contiguous_rows_with_expert_inside(sizes):
+    """2 processes x 4 devices: an expert group inside a process, so each process's
+    devices hold one contiguous half of the rows (its data-parallel rank)."""
+    from types import SimpleNamespace
+
+    from jaxdist.parallel.device_mesh import AXES, data_parallel_rank, mesh_devices
+
+    devices = [SimpleNamespace(id=i, process_index=i // 4, platform="cpu", device_kind="cpu",
+                               slice_index=0, coords=None) for i in range(8)]  # fmt: skip
+    placed = mesh_devices(sizes, devices)
+    shape = dict(zip(AXES, placed.shape, strict=True))
+    mesh = SimpleNamespace(axis_names=AXES, devices=placed, shape=shape)
+    assert batch_blocks_by_process(mesh) == {0: (0, 1, 2, 3), 1: (4, 5, 6, 7)}
+    assert [data_parallel_rank(mesh, p) for p in (0, 1)] == [(0, 2), (1, 2)]
+
+
 def test_pmap_refuses_an_expert_axis():
     with pytest.raises(ConfigError, match="expert=2.*--strategy gspmd"):
         strategies.layout("pmap", jaxdist.make_mesh(expert=2, data=4))
