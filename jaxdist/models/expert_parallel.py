@@ -182,14 +182,3 @@ def _capacity_local(x, weights, experts, gate, up, down, *, c: int, n: int, dtyp
     pairs = jnp.where(keep[..., None], pairs, 0).reshape(b, t, k, d)
     y = jnp.einsum("btkd,btk->btd", pairs.astype(jnp.float32), weights)
     return y, jnp.sum(~keep, axis=-1).astype(jnp.float32)
-
-
-def wire_bytes(tokens: int, top_k: int, d_model: int, itemsize: int, n: int, n_experts: int,
-               capacity_pairs: int = 0) -> dict[str, float]:  # fmt: skip
-    """Elements x ``itemsize`` one device puts in one forward all_to_all (dispatch; the
-    return is the same): {"ideal": tokens k D (ragged), "sent": what this module's
-    static buffers hold}. ``capacity_pairs``: the capacity mode's rows per device,
-    (B/N) E C (0: dropless, N tokens min(k, E/N))."""
-    ideal = tokens * top_k * d_model * itemsize
-    rows = capacity_pairs or n * tokens * min(top_k, n_experts // n)
-    return {"ideal": float(ideal), "sent": float(rows * d_model * itemsize)}
