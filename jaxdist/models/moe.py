@@ -64,6 +64,8 @@ from flax import nnx, struct
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_kernel_init
 
+from jaxdist.models import expert_parallel
+
 ROUTERS = ("softmax", "sigmoid")
 # (E, in, out) kernels: lecun normal over `in` per expert (axis 0 a batch axis, not fan-in)
 _EXPERT_INIT = initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -213,7 +215,9 @@ class MoE(nnx.Module):
             logits, self.top_k, self.router_kind, self.norm_topk, self.route_scale
         )
         h = x.astype(self.dtype)
-        if self.capacity_factor:
+        if expert_parallel.expert_split() > 1:  # the ambient mesh splits the experts
+            y, dropped = expert_parallel.routed(self, h, weights, experts)
+        elif self.capacity_factor:
             y, dropped = self._capacity(h, weights, experts)
         else:
             y, dropped = self._dropless(h, weights, experts), jnp.zeros(x.shape[:1], jnp.float32)
