@@ -159,3 +159,23 @@ def test_dense_first_layers_and_generation_through_the_cache():
         h, cache = model.cached_features(tokens[:, t : t + 1], cache, jnp.full((2,), t))
         steps.append(model.head(h))
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mesh, scan, options",
+    [
+        (dict(expert=4, data=2), False, {}),
+        (dict(expert=2, fsdp=2, model=2), False, {}),
+        (dict(expert=4, data=2), False, dict(strategy="shard_map")),
+    ],
+    ids=["expert4-data2", "expert2-fsdp2-model2", "shard_map-expert4"],
+)
+def test_expert_parallel_layouts_equal_the_equations(reference, mesh, scan, options):
+    """Each device holds E/N experts and tokens travel to them by all-to-all: the same
+    losses, balance losses and weights as the equations on one device."""
+    assert_same(jaxdist_run(jaxdist.make_mesh(**mesh), scan_layers=scan, **options), reference)
+
+
+def test_experts_split_with_stages_are_refused_by_name():
+    with pytest.raises(jaxdist.ConfigError, match="expert=2 with stage=2: pipeline stages"):
+        jaxdist_run(jaxdist.make_mesh(stage=2, expert=2, data=2), scan_layers=True)

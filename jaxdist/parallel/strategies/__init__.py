@@ -64,14 +64,18 @@ def layout(name: str, mesh: Mesh, rules=(), axis_names=None, shard_optimizer=Fal
 
 
 def _check_seq(mesh: Mesh) -> None:
-    """A seq axis with stages: attention's shard_map over seq inside the pipeline's over
-    stage does not lower (Shardy: "manual axis seq after free axis stage")."""
-    seq, stages = mesh.shape.get(SEQ, 1), mesh.shape.get("stage", 1)
-    if seq > 1 and stages > 1:
-        raise ConfigError(
-            f"--mesh seq={seq} with stage={stages}: pipeline stages do not run a sequence "
-            "split over seq; use seq or stage, not both"
-        )
+    """A seq or expert axis with stages: attention's shard_map over seq, or the experts'
+    all-to-all over expert, inside the pipeline's over stage does not lower (Shardy:
+    "manual axis seq after free axis stage"; per replica, the all-to-all's transpose
+    fails its types)."""
+    stages = mesh.shape.get("stage", 1)
+    for axis, what in ((SEQ, "a sequence split over seq"), (EXPERT, "experts split over expert")):
+        size = mesh.shape.get(axis, 1)
+        if size > 1 and stages > 1:
+            raise ConfigError(
+                f"--mesh {axis}={size} with stage={stages}: pipeline stages do not run {what}"
+                f"; use {axis} or stage, not both"
+            )
 
 
 def wants_per_replica(name: str, mesh: Mesh, grad_accum: int, has_batch_stats: bool) -> bool:
