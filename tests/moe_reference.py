@@ -54,7 +54,8 @@ def swiglu(x, gate, up, down):
 
 
 def reference(params, x, experts, keep, router, norm_topk=True, route_scale=1.0, **_):
-    """-> (y (B, T, D), load-balancing loss, z-loss), differentiable in params and x."""
+    """-> (y (B, T, D), load-balancing loss (B,), z-loss (B,)), differentiable in params
+    and x; the losses per sequence, as the module defines them."""
     rows, all_logits, all_probs = [], [], []
     at = jnp.asarray  # array indices: eager ops compiled once, not once per index
     tokens = x.reshape(-1, D)
@@ -80,12 +81,15 @@ def reference(params, x, experts, keep, router, norm_topk=True, route_scale=1.0,
         rows.append(y)
         all_logits.append(logits)
         all_probs.append(probs)
-    logits, probs = jnp.stack(all_logits), jnp.stack(all_probs)
-    share = np.bincount(experts.reshape(-1), minlength=E) / experts.size
-    lb = E * jnp.sum(share * jnp.mean(probs, axis=0))
-    top = jnp.max(logits, axis=-1)
-    lse = top + jnp.log(jnp.sum(jnp.exp(logits - top[:, None]), axis=-1))
-    return jnp.stack(rows).reshape(x.shape), lb, jnp.mean(lse**2)
+    b = x.shape[0]
+    logits = jnp.stack(all_logits).reshape(b, -1, E)
+    probs = jnp.stack(all_probs).reshape(b, -1, E)
+    share = np.stack([np.bincount(row, minlength=E) for row in experts.reshape(b, -1)])
+    share = share / experts[0].size  # (B, E): of each row's T*k pairs
+    lb = E * jnp.sum(share * jnp.mean(probs, axis=1), axis=-1)  # (B,)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    lse = top[..., 0] + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))  # (B, T)
+    return jnp.stack(rows).reshape(x.shape), lb, jnp.mean(lse**2, axis=-1)
 
 
 def reference_run(params, x, probe, experts, keep, settings):
@@ -93,7 +97,7 @@ def reference_run(params, x, probe, experts, keep, settings):
 
     def objective(params, x):
         y, lb, z = reference(params, x, experts, keep, **settings)
-        return jnp.sum(y * probe) + LB * lb + Z * z, (y, lb, z)
+        return jnp.sum(y * probe) + LB * jnp.mean(lb) + Z * jnp.mean(z), (y, lb, z)
 
     (g_params, g_x), outputs = jax.grad(objective, argnums=(0, 1), has_aux=True)(params, x)
     return outputs, g_params, g_x

@@ -34,16 +34,23 @@ Auxiliary quantities are returned, ``y, aux = moe(x)``, as an ``MoEAux`` pytree 
 arrays rather than sown into ``nnx.Intermediate``: jaxdist drops Intermediate variables
 from the training state (``jaxdist.models.adapt.DROPPED``), a block run by a ``Stack``
 is merged and called inside ``jax.lax.scan`` where anything sown is lost, and a returned
-pytree stacks per layer as a scan output, (L, ...), for the model to add to its loss.
-Over the call's N = B * T tokens:
+pytree travels with the activations (``Routed``) through every runner of a stack.
 
-- ``load_balance_loss``: E * sum_e f_e P_e (Switch / Mixtral), f_e the fraction of the
-  N*k routed pairs that chose expert e (before any capacity drop), P_e the mean router
-  probability of e (the sigmoid router: the mean of scores / their sum over E). 1 when
-  balanced; transformers' Mixtral ``load_balancing_loss_func`` is k times this.
-- ``z_loss``: mean over tokens of logsumexp(logits)^2 (ST-MoE).
-- ``expert_share``: f_e, (E,).
-- ``dropped``: the number of dropped pairs (int32; 0 when dropless).
+Every quantity is **per sequence** (one value per row of the (B, T, D) input), so the
+batch's mean is the same sum however its rows are split over devices, micro-batches or
+pipeline stages (a balance over all B * T tokens of a call would change with the split):
+
+- ``load_balance_loss`` (B,): E * sum_e f_e P_e over the row's T tokens (DeepSeek-V3's
+  sequence-wise balance loss; Switch / Mixtral pool the same product over a whole batch),
+  f_e the fraction of the row's T*k routed pairs that chose expert e (before any
+  capacity drop), P_e the row's mean router probability of e (the sigmoid router: the
+  mean of scores / their sum over E). 1 when balanced;
+- ``z_loss`` (B,): the row's mean over tokens of logsumexp(logits)^2 (ST-MoE);
+- ``expert_share`` (B, E): f_e per row, each row summing to 1;
+- ``dropped`` (B,): the row's dropped pairs, a float32 count (0 when dropless; float so
+  that a pipeline's backward pass carries it as it carries activations).
+
+``MoEAux.zeros(B, E)`` starts a sum over layers: aux add leaf by leaf (``+``).
 """
 
 from __future__ import annotations
@@ -63,12 +70,31 @@ _EXPERT_INIT = initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,
 
 @struct.dataclass
 class MoEAux:
-    """What one MoE call reports besides its output (a pytree: jit and scan carry it)."""
+    """What one MoE call reports besides its output, per row (a pytree: jit, scan and
+    the pipelines carry it)."""
 
-    load_balance_loss: jax.Array  # () float32
-    z_loss: jax.Array  # () float32
-    expert_share: jax.Array  # (E,) float32, sums to 1
-    dropped: jax.Array  # () int32
+    load_balance_loss: jax.Array  # (B,) float32
+    z_loss: jax.Array  # (B,) float32
+    expert_share: jax.Array  # (B, E) float32, each row sums to 1
+    dropped: jax.Array  # (B,) float32: pairs dropped (a count)
+
+    @classmethod
+    def zeros(cls, rows: int, n_experts: int) -> MoEAux:
+        zero = jnp.zeros((rows,), jnp.float32)
+        return cls(zero, zero, jnp.zeros((rows, n_experts), jnp.float32), zero)
+
+    def __add__(self, other: MoEAux) -> MoEAux:
+        return jax.tree.map(jnp.add, self, other)
+
+
+@struct.dataclass
+class Routed:
+    """What an MoE model's blocks pass each other: the activations and the aux summed
+    over the MoE layers so far (``MoEAux``, per row). One pytree, split by rows, so every
+    runner of a ``Stack`` (scan, pipeline stages, micro-batches) carries both."""
+
+    x: jax.Array  # (B, T, D)
+    aux: MoEAux
 
 
 class SwiGLU(nnx.Module):
@@ -148,7 +174,7 @@ class MoE(nnx.Module):
         if self.capacity_factor:
             y, dropped = self._capacity(h, weights, experts)
         else:
-            y, dropped = self._dropless(h, weights, experts), jnp.zeros((), jnp.int32)
+            y, dropped = self._dropless(h, weights, experts), jnp.zeros(x.shape[:1], jnp.float32)
         y = y.astype(self.dtype)
         if self.shared is not None:
             y = y + self.shared(h)
@@ -196,7 +222,7 @@ class MoE(nnx.Module):
         pairs = out[seq, flat, jnp.minimum(slot, c - 1)]  # (B, T*k, D)
         pairs = jnp.where(keep[..., None], pairs, 0).reshape(b, t, k, d)
         y = jnp.einsum("btkd,btk->btd", pairs.astype(jnp.float32), weights)
-        return y, jnp.sum(~keep, dtype=jnp.int32)
+        return y, jnp.sum(~keep, axis=-1).astype(jnp.float32)  # (B,)
 
 
 def capacity(capacity_factor: float, tokens: int, top_k: int, n_experts: int) -> int:
@@ -221,15 +247,16 @@ def route(logits: jax.Array, top_k: int, router: str, norm_topk: bool, route_sca
 
 
 def aux_outputs(logits, probs, experts, dropped) -> MoEAux:
-    """The ``MoEAux`` of one call: logits and probs (..., E), experts (..., k)."""
-    n_experts = logits.shape[-1]
-    counts = jnp.sum(jax.nn.one_hot(experts.reshape(-1), n_experts, dtype=jnp.float32), axis=0)
-    share = counts / experts.size
-    mean_prob = jnp.mean(probs.reshape(-1, n_experts), axis=0)
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    """The ``MoEAux`` of one call, per row: logits and probs (B, T, E), experts (B, T, k),
+    dropped (B,)."""
+    b, _, n_experts = logits.shape
+    onehot = jax.nn.one_hot(experts.reshape(b, -1), n_experts, dtype=jnp.float32)
+    share = jnp.mean(onehot, axis=1)  # (B, E): of the row's T*k pairs
+    mean_prob = jnp.mean(probs, axis=1)  # (B, E)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # (B, T)
     return MoEAux(
-        load_balance_loss=n_experts * jnp.sum(share * mean_prob),
-        z_loss=jnp.mean(jnp.square(lse)),
+        load_balance_loss=n_experts * jnp.sum(share * mean_prob, axis=-1),
+        z_loss=jnp.mean(jnp.square(lse), axis=-1),
         expert_share=share,
         dropped=dropped,
     )
