@@ -120,12 +120,20 @@ def test_save_pretrained_writes_one_tensor_per_expert(folders):
                                                                       reason=EXPERT_SKIP))],
 )  # fmt: skip
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_init_from_gives_transformers_logits(folders, family, mesh):
-    # model=2 splits the heads and each expert's width (12 of 24); expert=2 puts half of
-    # the experts on each device, read from their own tensors only
+def test_init_from_gives_transformers_logits(folders, family, mesh, monkeypatch):
+    # model=2 splits the heads and each expert's width (12 of 24), fsdp=2 its D (16 of
+    # 32); expert=2 puts half of the experts on each device, read from their tensors only
+    from jaxdist.weights import Reader
+
+    reads, read = [], Reader.read
+    monkeypatch.setattr(Reader, "read", lambda self, name, index=(): (
+        reads.append((name, index)) or read(self, name, index)))  # fmt: skip
     config = settings(folders[family], "--mesh", mesh, devices=2 ** len(mesh.split(",")))
     assert config.model.moe_experts == FAMILIES[family][1].get("num_local_experts", 8)
     ours, theirs = logits_read_in(config), eager_logits(folders[family], TOKENS)
+    experts = [index for name, index in reads if ".experts." in name]
+    # each (F, D) or (D, F) expert tensor read by quarters: (12, 16) or (16, 12)
+    assert experts and all(sorted(s.stop - s.start for s in i) == [12, 16] for i in experts)
     assert off(ours, theirs) < 1e-5, off(ours, theirs)
     assert np.abs(theirs).max() > 0.3  # logits that are not all near zero
 

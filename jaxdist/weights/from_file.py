@@ -107,14 +107,10 @@ def _listed(what: str, items: list[str]) -> str:
 def _misfit(source: Source, model_shape: tuple[int, ...], names: dict) -> str:
     """What is wrong with reading ``source`` into a parameter of ``model_shape``, or ""."""
     rule, shape = source.rule, source.shape
-    if source.parts:  # (N, what each slice's tensor makes)
-        one = Source(source.name, rule, shape)
-        problem = _misfit(one, tuple(model_shape[1:]), names) if model_shape else "no axis 0"
-        if problem or len(source.parts) != model_shape[0]:
-            return problem or (
-                f"{len(source.parts)} tensors stacked, the model has {list(model_shape)}"
-            )
-        return ""
+    if source.parts:  # (N, what each of the N tensors makes)
+        if not model_shape or len(source.parts) != model_shape[0]:
+            return f"{len(source.parts)} tensors stacked, the model has {list(model_shape)}"
+        return _misfit(Source(source.name, rule, shape), tuple(model_shape[1:]), names)
     what = f"{source.name} ({rule.rearrange})"
     if rule.groups:
         sizes = _sizes(rule, names)
@@ -142,14 +138,11 @@ def read(reader: Reader, source: Source, index: tuple, shape, names: dict) -> np
     index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape, strict=False))
     index = index + tuple(slice(0, n) for n in shape[len(index) :])
     rule = source.rule
-    if source.parts:  # slices index[0] of axis 0, each from its own tensor
-        slices = [
+    if source.parts:  # the slices index[0] of axis 0, each read from its own tensor only
+        return np.stack([
             read(reader, Source(source.parts[j], rule, source.shape), index[1:], shape[1:], names)
-            for j in range(*index[0].indices(shape[0]))
-        ]
-        if slices:
-            return np.stack(slices)
-        return np.zeros((0, *(s.stop - s.start for s in index[1:])), np.float32)
+            for j in range(index[0].start, index[0].stop)
+        ])  # fmt: skip
     if rule.groups:
         return rearrange.read(
             lambda at: reader.read(source.name, at), source.shape, *rule.groups,
