@@ -36,7 +36,20 @@ def next_token_loss(model, batch):
     tokens = batch["tokens"]  # (B, T + 1): inputs tokens[:, :-1], targets tokens[:, 1:]
     logits = model(tokens[:, :-1]).astype(jnp.float32)  # (B, T, vocab)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-    return loss, {}
+    return with_auxiliary(model, loss)
+
+
+def with_auxiliary(model, loss):
+    """(loss + the model's auxiliary loss, metrics) after its forward pass: a model with
+    an ``auxiliary_loss()`` method (the built-in Llama's MoE: load balance and z-loss)
+    returns (term, metrics); ``lm_loss`` is then the next-token loss alone."""
+    auxiliary = getattr(model, "auxiliary_loss", None)
+    if auxiliary is None:
+        return loss, {}
+    term, metrics = auxiliary()
+    if not metrics:  # nothing auxiliary in this model (a dense Llama)
+        return loss + term, {}
+    return loss + term, {"lm_loss": loss, **metrics}
 
 
 def make_fused_next_token_loss(chunks: int):
@@ -54,7 +67,7 @@ def make_fused_next_token_loss(chunks: int):
         table = head.embedding[...].astype(head.dtype or h.dtype)  # (rows, D)
         softcap = getattr(model, "final_softcap", 0.0)  # Gemma's logits, c tanh(s / c)
         loss = fused_cross_entropy(h, table, tokens[:, 1:], chunks, model.vocab_size, softcap)
-        return loss, {}
+        return with_auxiliary(model, loss)
 
     return fused_next_token_loss
 

@@ -69,9 +69,10 @@ def rotate(x, angles):  # x (B, T, N, Dh); angles (T, Dh/2): pairs (i, i + Dh/2)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def reference_logits(p, tokens, s, rope):
+def reference_logits(p, tokens, s, rope, mlp=None, layers=LAYERS):
     """tokens (B, T) -> logits (B, T, VOCAB); ``p``: parameters by the model's names,
-    ``s``: the settings (FULL's keys), ``rope``: the frequencies' settings."""
+    ``s``: the settings (FULL's keys), ``rope``: the frequencies' settings. ``mlp(layer,
+    h)``: what layer ``layer`` adds after its MLP norm (default: its SwiGLU)."""
     b, t = tokens.shape
     dh = s["head_dim"] or D // HEADS
     kv = s["n_kv_heads"] or HEADS
@@ -84,7 +85,7 @@ def reference_logits(p, tokens, s, rope):
         out = h @ p[f"{name}/kernel"]
         return out + p[f"{name}/bias"] if f"{name}/bias" in p else out
 
-    for layer in range(LAYERS):
+    for layer in range(layers):
         pre = f"blocks/{layer}"
         h = rms_norm(x, p[f"{pre}/attn_norm/scale"], s["rms_norm_eps"])
         q = proj(f"{pre}/q", h).reshape(b, t, HEADS, dh)
@@ -101,6 +102,9 @@ def reference_logits(p, tokens, s, rope):
         att = jnp.einsum("bnqk,bknd->bqnd", weights, v).reshape(b, t, HEADS * dh)
         x = x + proj(f"{pre}/o", att)
         h = rms_norm(x, p[f"{pre}/mlp_norm/scale"], s["rms_norm_eps"])
+        if mlp is not None:
+            x = x + mlp(layer, h)
+            continue
         x = x + proj(f"{pre}/down", jax.nn.silu(proj(f"{pre}/gate", h)) * proj(f"{pre}/up", h))
     h = rms_norm(x, p["norm/scale"], s["rms_norm_eps"])
     table = p["tok/embedding"] if s["tie_embeddings"] else p["lm_head/embedding"]

@@ -30,17 +30,18 @@ def choices(params, x, router, cf=0.0, latest_first=False):
     capacity factor, per sequence in position order (reversed: ``latest_first``), an
     expert keeps its first C pairs."""
     x, w = np.asarray(x), np.asarray(params["router"])
-    experts = np.zeros((x.shape[0], T, K), np.int64)
+    t_len = x.shape[1]
+    experts = np.zeros((x.shape[0], t_len, K), np.int64)
     for b in range(x.shape[0]):
-        for t in range(T):
+        for t in range(t_len):
             scores, _ = scores_of(jnp.asarray(x[b, t] @ w), router)
             experts[b, t] = np.argsort(-np.asarray(scores), kind="stable")[:K]
     keep = np.ones(experts.shape, bool)
     if cf:
-        c = capacity(cf, T, K, E)
+        c = capacity(cf, t_len, K, E)
         for b in range(x.shape[0]):
             taken = np.zeros(E, int)
-            for t in reversed(range(T)) if latest_first else range(T):
+            for t in reversed(range(t_len)) if latest_first else range(t_len):
                 for j in range(K):
                     e = experts[b, t, j]
                     keep[b, t, j] = taken[e] < c
@@ -58,7 +59,8 @@ def reference(params, x, experts, keep, router, norm_topk=True, route_scale=1.0,
     and x; the losses per sequence, as the module defines them."""
     rows, all_logits, all_probs = [], [], []
     at = jnp.asarray  # array indices: eager ops compiled once, not once per index
-    tokens = x.reshape(-1, D)
+    d = x.shape[-1]
+    tokens = x.reshape(-1, d)
     pairs = zip(experts.reshape(-1, K), keep.reshape(-1, K), strict=True)
     for n, (chosen, kept) in enumerate(pairs):
         xt = tokens[at(n)]
@@ -68,7 +70,7 @@ def reference(params, x, experts, keep, router, norm_topk=True, route_scale=1.0,
         if norm_topk:
             w = w / jnp.sum(w)
         w = w * route_scale
-        y = jnp.zeros(D)
+        y = jnp.zeros(d)
         for j, e in enumerate(chosen):
             if kept[j]:
                 e = at(e)

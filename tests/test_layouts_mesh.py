@@ -95,8 +95,8 @@ def test_data_parallel_rank_is_shared_by_a_model_group():
 
 def test_mesh_sizes():
     mesh = jaxdist.make_mesh(data=2, fsdp=2, model=2)
-    assert mesh.axis_names == ("data", "stage", "fsdp", "model", "seq")
-    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "model": 2, "seq": 1}
+    assert mesh.axis_names == ("data", "stage", "fsdp", "model", "seq", "expert")
+    assert dict(mesh.shape) == {"data": 2, "stage": 1, "fsdp": 2, "model": 2, "seq": 1, "expert": 1}
     assert jaxdist.make_mesh(model=2).shape["data"] == 4
     assert jaxdist.make_mesh(data=4).size == 4  # data alone: the first 4 devices
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)

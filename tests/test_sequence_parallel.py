@@ -88,12 +88,12 @@ def test_the_mesh_splits_the_sequence_and_keeps_seq_inside_a_process():
         SimpleNamespace(id=i, process_index=i // 4, platform="cpu", device_kind="cpu")
         for i in range(8)
     ]
-    array = mesh_devices({"data": 2, "seq": 4}, fake)  # (data, stage, fsdp, model, seq)
+    array = mesh_devices({"data": 2, "seq": 4}, fake)  # (data, stage, fsdp, model, seq, expert)
     for group in array.reshape(2, 4):
         assert len({d.process_index for d in group}) == 1  # a seq group: one process
     array = mesh_devices({"data": 2, "model": 2, "seq": 2}, fake)
-    assert [d.id for d in array[0, 0, 0, :, 0]] == [0, 1]  # model innermost
-    assert [d.id for d in array[0, 0, 0, 0, :]] == [0, 2]  # then seq
+    assert [d.id for d in array[0, 0, 0, :, 0, 0]] == [0, 1]  # model innermost
+    assert [d.id for d in array[0, 0, 0, 0, :, 0]] == [0, 2]  # then seq
     mesh = jaxdist.make_mesh(data=2, seq=4)
     split = jaxdist.shard_batch({"a": np.zeros((8, T), np.int32), "b": np.zeros((8, T + 1))}, mesh)
     assert split["a"].sharding.spec == P(("data", "fsdp"), "seq")

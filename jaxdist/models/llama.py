@@ -35,6 +35,7 @@ from flax.nnx.nn.linear import default_embed_init, default_kernel_init
 from jaxdist.models import kv_cache, stack
 from jaxdist.models.attention import attention as split_attention
 from jaxdist.models.gpt import padded_vocab
+from jaxdist.models.moe import MoEAux, MoESettings, Routed
 from jaxdist.models.rope import Rope
 from jaxdist.models.stack import check_remat
 
@@ -77,7 +78,8 @@ class LlamaBlock(nnx.Module):
     def __init__(
         self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_dim: int, *,
         rope: Rope, eps: float, qk_norm: bool, attention_bias: str, window: int, dtype,
-        attention=None, seq_attention="ring", dropout=0.0, norm=None, rngs: nnx.Rngs,
+        attention=None, seq_attention="ring", dropout=0.0, norm=None, moe=None,
+        rngs: nnx.Rngs,
     ):  # fmt: skip
         if attention_bias not in BIASES:
             raise ValueError(f"attention_bias {attention_bias!r} is not one of {BIASES}")
@@ -98,15 +100,20 @@ class LlamaBlock(nnx.Module):
         self.q_norm = norm(head_dim, eps, **kw) if qk_norm else None
         self.k_norm = norm(head_dim, eps, **kw) if qk_norm else None
         self.mlp_norm = norm(d_model, eps, **kw)
-        self.gate = _linear(d_model, ffn_dim, ("embed", "mlp"), False, **kw)
-        self.up = _linear(d_model, ffn_dim, ("embed", "mlp"), False, **kw)
-        self.down = _linear(ffn_dim, d_model, ("mlp", "embed"), False, **kw)
+        # moe (an MoESettings): a mixture of experts in place of the SwiGLU
+        self.moe = moe.block(d_model, ffn_dim, **kw) if moe is not None else None
+        if moe is None:
+            self.gate = _linear(d_model, ffn_dim, ("embed", "mlp"), False, **kw)
+            self.up = _linear(d_model, ffn_dim, ("embed", "mlp"), False, **kw)
+            self.down = _linear(ffn_dim, d_model, ("mlp", "embed"), False, **kw)
 
-    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        """(B, T, D) -> (B, T, D); ``positions`` (B, T) or (1, T) int, default 0..T-1."""
+    def __call__(self, x, positions: jax.Array | None = None):
+        """(B, T, D) -> (B, T, D), or an MoE model's ``Routed`` -> ``Routed`` (its aux
+        plus this layer's); ``positions`` (B, T) or (1, T) int, default 0..T-1."""
+        h = x.x if isinstance(x, Routed) else x
         if positions is None:
-            positions = jnp.arange(x.shape[1])[None]  # (1, T)
-        q, k, v = self._qkv(x, positions)
+            positions = jnp.arange(h.shape[1])[None]  # (1, T)
+        q, k, v = self._qkv(h, positions)
         att = split_attention(
             q, k, v, causal=True, seq_attention=self.seq_attention,
             implementation=self.attention, window=self.window,
@@ -131,12 +138,23 @@ class LlamaBlock(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return self.rope(q, positions), self.rope(k, positions), v
 
-    def _rest(self, x: jax.Array, att: jax.Array) -> jax.Array:
-        """The block after attention: (B, T, D) and heads (B, T, H, Dh) -> (B, T, D)."""
+    def _rest(self, x, att: jax.Array):
+        """The block after attention: (B, T, D) (or ``Routed``) and heads (B, T, H, Dh)
+        -> (B, T, D) (``Routed``). A plain (B, T, D) through an MoE drops its aux (the KV
+        cache's generation: no loss to add it to)."""
+        routed = x if isinstance(x, Routed) else None
+        x = x.x if routed is not None else x
         b, t, _ = x.shape
         x = x + _drop(self.drop_att, self.o(att.reshape(b, t, self.n_heads * self.head_dim)))
-        h = self.mlp_norm(x)
-        return x + _drop(self.drop_mlp, self.down(jax.nn.silu(self.gate(h)) * self.up(h)))
+        y, aux = self.mlp(self.mlp_norm(x))
+        x = x + _drop(self.drop_mlp, y)
+        return x if routed is None else Routed(x, routed.aux + aux)
+
+    def mlp(self, h: jax.Array):
+        """(B, T, D) -> ((B, T, D), the MoE's ``MoEAux`` or None)."""
+        if self.moe is not None:
+            return self.moe(h)
+        return self.down(jax.nn.silu(self.gate(h)) * self.up(h)), None
 
 
 class Llama(nnx.Module):
@@ -172,6 +190,7 @@ class Llama(nnx.Module):
         seq_attention: str = "ring",
         block=LlamaBlock,
         kinds: tuple[int, ...] | None = None,
+        moe: MoESettings | None = None,  # experts in place of the SwiGLU (jaxdist.models.moe)
         rngs: nnx.Rngs,
     ):
         check_remat(remat)
@@ -182,7 +201,10 @@ class Llama(nnx.Module):
         rope = rope or Rope(head_dim)
         if rope.head_dim != head_dim:
             raise ValueError(f"rope is for head_dim {rope.head_dim}, the heads have {head_dim}")
-        self.remat, self.kinds = remat, kinds
+        self.remat, self.kinds, self.moe = remat, kinds, moe
+        dense = moe.dense_layers if moe is not None else n_layers
+        if moe is not None and (kinds is not None or not 0 <= dense < n_layers):
+            raise ValueError(f"moe: {dense} dense layers of {n_layers}, kinds {kinds}")
         self.vocab_size = vocab_size  # the real vocabulary: the logits' width
         self.cache_shape = (n_kv_heads, head_dim, dtype)  # a KV cache's K, Dh, dtype
         with nnx.use_eager_sharding(False):  # names only; jaxdist.parallel.layout places them
@@ -191,17 +213,25 @@ class Llama(nnx.Module):
             self.tok = _embed(rows, d_model, **kw)
             self.drop = _dropout(dropout, rngs)  # on the embeddings, (B, T, D)
 
-            def make_block(rngs):
+            def make_block(rngs, moe=None):
                 return block(
                     d_model, n_heads, n_kv_heads, head_dim, ffn_dim or 4 * d_model, rope=rope,
                     eps=rms_norm_eps, qk_norm=qk_norm, attention_bias=attention_bias,
                     window=sliding_window, dtype=dtype, attention=attention,
-                    seq_attention=seq_attention, dropout=dropout, norm=self.make_norm, rngs=rngs,
+                    seq_attention=seq_attention, dropout=dropout, norm=self.make_norm,
+                    moe=moe, rngs=rngs,
                 )  # fmt: skip
 
-            self.blocks = stack.blocks(
-                make_block, n_layers, rngs=rngs, remat=remat, scan=scan_layers, kinds=kinds
-            )
+            def make_stack(make, n, kinds=None):
+                return stack.blocks(make, n, rngs=rngs, remat=remat, scan=scan_layers, kinds=kinds)
+
+            # MoE: the first D layers dense (a stack of their own), the rest with experts
+            self.dense_blocks = make_stack(make_block, dense) if moe and dense else None
+            if moe is None:
+                self.blocks = make_stack(make_block, n_layers, kinds)
+            else:
+                self.blocks = make_stack(lambda rngs: make_block(rngs, moe), n_layers - dense)
+                self.moe_layers = n_layers - dense
             self.norm = self.make_norm(d_model, rms_norm_eps, **kw)
             # untied: a table of the embedding's shape, (padded vocab, D), read as the
             # transpose of transformers' lm_head (vocab, D) and applied as tok is
@@ -216,20 +246,48 @@ class Llama(nnx.Module):
     def features(self, tokens: jax.Array) -> jax.Array:  # (B, T) -> (B, T, D)
         """The final RMSNorm's output at positions 0..T-1: what the head reads (and what
         ``jaxdist.losses.make_fused_next_token_loss`` takes)."""
-        x = stack.run_blocks(self.blocks, self.embed(tokens), self.remat, self.kinds)
-        return self.norm(x)
+        x = self.embed(tokens)
+        if self.moe is None:
+            return self.norm(stack.run_blocks(self.blocks, x, self.remat, self.kinds))
+        if self.dense_blocks is not None:
+            x = stack.run_blocks(self.dense_blocks, x, self.remat)
+        routed = Routed(x, MoEAux.zeros(x.shape[0], self.moe.n_experts))
+        routed = stack.run_blocks(self.blocks, routed, self.remat)
+        # flax's way to hand a forward pass's by-product to the loss (what sow does):
+        # read by auxiliary_loss, never part of the training state
+        self.moe_aux = nnx.Intermediate(routed.aux)
+        return self.norm(routed.x)
+
+    def auxiliary_loss(self) -> tuple[jax.Array, dict]:
+        """(what the training loss adds, metrics) for the last ``features`` (or call):
+        with ``moe``, its load-balancing and z-losses (``MoESettings.loss_terms``); the
+        default losses (``jaxdist.losses``) add it. Dense: (0, {})."""
+        if self.moe is None:
+            return jnp.zeros((), jnp.float32), {}
+        return self.moe.loss_terms(self.moe_aux.get_value(), self.moe_layers)
 
     def init_cache(self, batch: int, length: int):
         """An empty KV cache of ``length`` positions for ``batch`` rows
-        (``jaxdist.models.kv_cache``: (B, S, K, Dh) keys and values per layer)."""
-        return kv_cache.empty(self.blocks, batch, length, *self.cache_shape)
+        (``jaxdist.models.kv_cache``: (B, S, K, Dh) keys and values per layer); with
+        MoE's dense first layers, one for each of the two stacks."""
+        caches = [kv_cache.empty(b, batch, length, *self.cache_shape) for b in self._stacks()]
+        return caches[0] if len(caches) == 1 else tuple(caches)
 
     def cached_features(self, tokens: jax.Array, cache, start: jax.Array):
         """``features`` of ``tokens`` (B, T) at positions ``start`` (B,) onwards (RoPE at
         those positions), each row attending to its cache's earlier positions ->
         ((B, T, D), the new cache)."""
-        x, cache = kv_cache.run(self.blocks, self.embed(tokens), cache, start, self.kinds)
-        return self.norm(x), cache
+        x = self.embed(tokens)
+        if getattr(self, "dense_blocks", None) is None:
+            x, cache = kv_cache.run(self.blocks, x, cache, start, self.kinds)
+            return self.norm(x), cache
+        x, dense = kv_cache.run(self.dense_blocks, x, cache[0], start)
+        x, rest = kv_cache.run(self.blocks, x, cache[1], start)
+        return self.norm(x), (dense, rest)
+
+    def _stacks(self) -> list:
+        dense = getattr(self, "dense_blocks", None)
+        return [self.blocks] if dense is None else [dense, self.blocks]
 
     def head(self, h: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, vocab)
         # (B, T, D) @ (D, padded vocab), the padded columns cut off (see the GPT's head)

@@ -55,6 +55,7 @@ pipeline stages (a balance over all B * T tokens of a call would change with the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -62,6 +63,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_kernel_init
+
+from jaxdist.models import expert_parallel
 
 ROUTERS = ("softmax", "sigmoid")
 # (E, in, out) kernels: lecun normal over `in` per expert (axis 0 a batch axis, not fan-in)
@@ -95,6 +98,47 @@ class Routed:
 
     x: jax.Array  # (B, T, D)
     aux: MoEAux
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESettings:
+    """How a model's MoE layers are built and trained (``--moe-*``; the Llama's ``moe``)."""
+
+    n_experts: int
+    top_k: int = 2
+    ffn_dim: int = 0  # each expert's width; 0: the model's dense MLP width
+    n_shared: int = 0
+    dense_layers: int = 0  # the first D layers keep a dense MLP
+    router: str = "softmax"
+    norm_topk: bool = True
+    route_scale: float = 1.0
+    capacity_factor: float = 0.0  # 0: dropless
+    balance_coef: float = 0.01  # the load-balancing loss's weight in the training loss
+    z_coef: float = 0.001  # the router z-loss's weight
+
+    def block(self, d_model: int, ffn_dim: int, **kw) -> MoE:
+        """The MoE of one layer, ``MoE(d_model, ffn_dim or this width, ...)``."""
+        return MoE(
+            d_model, self.ffn_dim or ffn_dim, self.n_experts, self.top_k, n_shared=self.n_shared,
+            router=self.router, norm_topk=self.norm_topk, route_scale=self.route_scale,
+            capacity_factor=self.capacity_factor, **kw,
+        )  # fmt: skip
+
+    def loss_terms(self, aux: MoEAux, layers: int) -> tuple[jax.Array, dict]:
+        """(what the training loss adds, the metrics) from ``aux`` summed over ``layers``
+        MoE layers: each loss the mean over rows and layers (so per sequence and layer),
+        the experts' shares of routed pairs pooled over layers, their min and max."""
+        balance = jnp.mean(aux.load_balance_loss) / layers
+        z = jnp.mean(aux.z_loss) / layers
+        share = jnp.mean(aux.expert_share, axis=0) / layers  # (E,), sums to 1
+        metrics = {
+            "moe/balance_loss": balance,
+            "moe/z_loss": z,
+            "moe/share_min": jnp.min(share),
+            "moe/share_max": jnp.max(share),
+            "moe/dropped_per_row": jnp.mean(aux.dropped),  # pairs, all layers together
+        }
+        return self.balance_coef * balance + self.z_coef * z, metrics
 
 
 class SwiGLU(nnx.Module):
@@ -171,7 +215,9 @@ class MoE(nnx.Module):
             logits, self.top_k, self.router_kind, self.norm_topk, self.route_scale
         )
         h = x.astype(self.dtype)
-        if self.capacity_factor:
+        if expert_parallel.expert_split() > 1:  # the ambient mesh splits the experts
+            y, dropped = expert_parallel.routed(self, h, weights, experts)
+        elif self.capacity_factor:
             y, dropped = self._capacity(h, weights, experts)
         else:
             y, dropped = self._dropless(h, weights, experts), jnp.zeros(x.shape[:1], jnp.float32)

@@ -4,7 +4,7 @@ A model names the axes of its arrays in its own words: logical names in its anno
 (``nnx.with_partitioning(init, ("embed", "mlp"))``, Linen's ``with_logical_partitioning``),
 or mesh axis names of its author's mesh (``P("fsdp", "tp")``, JAX's explicit sharding).
 Each name becomes one of jaxdist's mesh axes (``data``, ``stage``, ``fsdp``, ``model``,
-``seq``), or none (replicated), by the first of:
+``seq``, ``expert``), or none (replicated), by the first of:
 
 1. the user's map (``--axis-names tp=model,kv=null``; ``Parallel(axis_names=...)``; the
    ``axis_names:`` (or ``logical:``) part of ``--rules``);
@@ -13,7 +13,7 @@ Each name becomes one of jaxdist's mesh axes (``data``, ``stage``, ``fsdp``, ``m
    a logical name to its author's mesh name, which is then read by 1, 4 and 5;
 3. a name that is a jaxdist axis is that axis;
 4. jaxdist's table of common logical names (``LOGICAL_RULES``: embed -> fsdp, mlp and
-   heads -> model, vocab -> model, layers -> stage, length and norm -> none, ...).
+   heads -> model, vocab -> model, layers -> stage, expert -> expert, length and norm -> none, ...).
 
 A name none of these maps is an error naming it and the parameters that use it, never a
 silent replication: replicating on purpose is a map to null.
@@ -30,8 +30,8 @@ from jaxdist.parallel.device_mesh import AXES
 
 # Logical axis names (Flax / MaxText vocabulary) -> mesh axes.
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
-    "activation_batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
+    "activation_batch": ("data", "fsdp", "expert"),
     "embed": "fsdp",
     "mlp": "model",
     "heads": "model",
@@ -44,6 +44,8 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "stage": "stage",
     "length": None,
     "norm": None,
+    "expert": "expert",  # a MoE's (E, ...) kernels: E/N experts per device (expert_parallel)
+    "experts": "expert",
 }
 NULL = ("null", "none", "None", "")  # --axis-names kv=null: replicated on purpose
 

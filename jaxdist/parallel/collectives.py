@@ -67,7 +67,7 @@ def min_over_replicas(tree, axis_name: str = DATA):
 def step_key(seed: int, step, axis_name: str = DATA) -> jax.Array:
     """The random key of optimizer step ``step``: ``fold_in(key(seed), step)``, then
     ``fold_in(replica_index)`` where the step runs per replica (pmap, shard_map, gspmd's
-    per-replica path; ``axis_name`` there is the batch axes ("data", "fsdp"), whose one
+    per-replica path; ``axis_name`` there is the batch axes (data, fsdp, expert), whose one
     index is the replica's block of rows) so that no two replicas share dropout masks.
     Under gspmd otherwise it is one key for the global batch: with JAX's partitionable
     threefry the masks equal the 1-device masks, whatever the device count."""

@@ -1,5 +1,5 @@
-"""The mesh (named axes data, stage, fsdp, model, seq), the data-parallel rank, and the
-one seam between host numpy and global device arrays."""
+"""The mesh (named axes data, stage, fsdp, model, seq, expert), the data-parallel rank,
+and the one seam between host numpy and global device arrays."""
 
 from __future__ import annotations
 
@@ -17,13 +17,19 @@ from jaxdist.errors import JaxdistError
 
 DATA = "data"  # the mesh axis that batches are split over (with fsdp)
 SEQ = "seq"  # the mesh axis that splits a batch's sequence (dim 1) and the activations'
-AXES = ("data", "stage", "fsdp", "model", "seq")  # the mesh's axis order
+EXPERT = "expert"  # splits a MoE's experts (jaxdist.models.expert_parallel), and rows
+AXES = ("data", "stage", "fsdp", "model", "seq", "expert")  # the mesh's axis order
 # Outermost to innermost on the devices: model claims a process's devices first (it
 # all-reduces activations in every block), then seq (its attention sends keys and values
-# in every block), then stage (each tick of the schedule waits for its send), then fsdp
-# (its gathers can overlap compute); data spans processes.
-PLACEMENT = ("data", "fsdp", "stage", "seq", "model")
-BATCH_AXES = ("data", "fsdp")  # batch rows are split over both; replicated over the others
+# in every block), then expert (two all-to-alls of every routed token's rows in each MoE
+# block, forward and backward: NVLink's bandwidth, not the network's), then stage (each
+# tick of the schedule waits for its send), then fsdp (its gathers can overlap compute);
+# data spans processes.
+PLACEMENT = ("data", "fsdp", "stage", "expert", "seq", "model")
+# Batch rows are split over all three, expert innermost (a process holding a whole expert
+# group holds contiguous rows); replicated over the others. For everything outside the
+# experts, expert is one more data axis: what is not split over it is replicated on it.
+BATCH_AXES = ("data", "fsdp", "expert")
 BATCH_SPEC = P(BATCH_AXES)
 
 
@@ -46,8 +52,8 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def mesh_devices(sizes: dict[str, int], devices) -> np.ndarray:
-    """``devices`` as an array of shape (data, stage, fsdp, model, seq), placed so that a
-    ``model`` group, then ``seq``, ``stage`` and ``fsdp`` groups stay inside one
+    """``devices`` as an array of shape (data, stage, fsdp, model, seq, expert), placed so
+    that a ``model`` group, then ``seq``, ``expert``, ``stage`` and ``fsdp`` stay inside one
     process whenever it fits in what the axes inside it leave, and ``data`` spans
     processes. On several processes of equal size this is JAX's
     ``create_hybrid_device_mesh`` with one process per granule; otherwise (one process, or
@@ -109,9 +115,11 @@ def _resolve(sizes: dict[str, int], count: int, platform: str) -> list[int]:
 
 
 def make_mesh(
-    data: int = -1, *, fsdp: int = 1, model: int = 1, stage: int = 1, seq: int = 1, devices=None
-) -> Mesh:
-    """A mesh with axes ("data", "stage", "fsdp", "model", "seq"); size-1 axes cost nothing.
+    data: int = -1, *, fsdp: int = 1, model: int = 1, stage: int = 1, seq: int = 1,
+    expert: int = 1, devices=None,
+) -> Mesh:  # fmt: skip
+    """A mesh with axes ("data", "stage", "fsdp", "model", "seq", "expert"); size-1 axes
+    cost nothing.
 
     Example::
 
@@ -120,6 +128,7 @@ def make_mesh(
         mesh = jaxdist.make_mesh(data=2, fsdp=2, model=2)  # 8 devices
         mesh = jaxdist.make_mesh(fsdp=-1, model=2)   # all devices, fsdp = N / 2
         mesh = jaxdist.make_mesh(data=2, seq=4)      # 8 devices, sequences split in 4
+        mesh = jaxdist.make_mesh(data=2, expert=4)   # 8 devices, a MoE's experts in 4
 
     With only ``data`` given, it may use the first ``data`` devices; otherwise the product
     of the sizes (one may be -1) must equal the number of devices. Built from ``Mesh``
@@ -127,7 +136,8 @@ def make_mesh(
     and its default Explicit axes reject the grad-accum reshape of a sharded batch."""
     devices = list(jax.devices() if devices is None else devices)
     sizes = {"data": data, "stage": stage, "fsdp": fsdp, "model": model, "seq": seq}
-    if fsdp == model == stage == seq == 1 and data != -1:  # the first N devices, as before
+    sizes[EXPERT] = expert
+    if data != -1 and fsdp == model == stage == seq == expert == 1:  # the first N, as before
         if not 1 <= data <= len(devices):
             raise DeviceCountError(
                 f"{data} devices requested but only {len(devices)} exist "
@@ -143,7 +153,7 @@ def _show(sizes: dict[str, int]) -> str:
 
 
 def batch_shards(mesh: Mesh) -> int:
-    """How many blocks the global batch is split into: data x fsdp."""
+    """How many blocks the global batch is split into: data x fsdp x expert."""
     return axis_size(mesh, BATCH_AXES)
 
 
@@ -156,12 +166,17 @@ def axis_size(mesh: Mesh, axes) -> int:
 
 
 def batch_spec(mesh: Mesh, shape=None) -> P:
-    """Batch rows over ("data", "fsdp") together (a 1-D ``data`` mesh: over ``data``).
+    """Batch rows over ("data", "fsdp", "expert") together (a 1-D ``data`` mesh: over
+    ``data``).
     With ``shape`` (one array's) and a ``seq`` axis > 1 that divides its dimension 1
     (tokens (B, T)): that dimension over ``seq`` too. A dimension seq does not divide
     (the trainer's (B, T + 1) tokens: inputs and shifted targets) stays whole over seq;
     the model splits its activations itself (``jaxdist.models.attention``)."""
-    rows = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    # expert only where it splits: a size-1 expert left out keeps the (data, fsdp) rows an
+    # explicit-sharding model names (their types must match, size 1 or not)
+    rows = tuple(
+        a for a in BATCH_AXES if a in mesh.axis_names and (a != EXPERT or mesh.shape[a] > 1)
+    )
     seq = mesh.shape.get(SEQ, 1)
     if seq > 1 and shape is not None and len(shape) >= 2 and shape[1] % seq == 0:
         return P(rows, SEQ)
@@ -192,8 +207,8 @@ def data_parallel_rank(mesh: Mesh, process_index: int | None = None) -> tuple[in
 
 
 def batch_blocks_by_process(mesh: Mesh) -> dict[int, tuple[int, ...]]:
-    """process index -> the sorted batch blocks (positions along data x fsdp) its
-    devices hold."""
+    """process index -> the sorted batch blocks (positions along data x fsdp x expert,
+    expert fastest) its devices hold."""
     names = mesh.axis_names
     blocks: dict[int, set[int]] = {}
     for index, device in np.ndenumerate(mesh.devices):
@@ -208,7 +223,7 @@ def batch_blocks_by_process(mesh: Mesh) -> dict[int, tuple[int, ...]]:
 
 def shard_batch(host_batch, mesh: Mesh | None = None, spec: P | None = None):
     """Host-local numpy (this data-parallel rank's rows) -> global ``jax.Array``, rows
-    split over ("data", "fsdp") and replicated over ``model`` and ``stage``; a sequence
+    split over ("data", "fsdp", "expert") and replicated over ``model`` and ``stage``; a sequence
     dimension (1) that a ``seq`` axis divides split over seq (``batch_spec``).
 
     With R data-parallel ranks (processes, or groups of processes sharing a model

@@ -170,13 +170,13 @@ def check_layout(strategy: str, mesh: Mesh) -> None:
             "sharding: PartitionSpecs in its forward pass), which jaxdist runs under "
             "--strategy gspmd (the default)"
         )
-    beyond = {a: mesh.shape[a] for a in ("stage", "seq") if mesh.shape.get(a, 1) > 1}
+    beyond = {a: mesh.shape[a] for a in ("stage", "seq", "expert") if mesh.shape.get(a, 1) > 1}
     if beyond:
         axes = ",".join(f"{a}={n}" for a, n in beyond.items())
         raise ConfigError(
             f"--mesh {axes}: the model annotates its own activations (JAX's explicit "
             "sharding); jaxdist runs such a model on data, fsdp and model axes, not on "
-            "stage or seq (their schedules run jaxdist's own blocks)"
+            "stage, seq or expert (their schedules and exchanges run jaxdist's own blocks)"
         )
 
 

@@ -6,20 +6,21 @@ shard_map) or the whole global batch (gspmd). Cross-replica averaging goes throu
 the identity under gspmd (where the loss is already the global mean and XLA inserts the
 all-reduce of the gradient).
 
-RNG contract: at optimizer step k, the key is ``fold_in(key(seed), k)``. Where the
-gradient is computed per replica (pmap, shard_map, and gspmd's per-replica path: grad-accum,
-fsdp or stage axes, ``strategies.wants_per_replica``), replica r then folds in r, its
-position over the batch axes (data, fsdp), which is also the block of global-batch rows it
-holds: ``fold_in(.., r)``. Elsewhere under gspmd one key serves the global batch, and the
-masks are the 1-device masks. With grad-accum, microbatch i (rows i, i+K, ...) folds in i:
-``fold_in(.., i)``. The model sees what flax's own ``nnx.reseed(model, policy="match_shape",
-**{stream: key for each RNG stream})`` gives: every stream restarts from that key, and
-streams of one name (e.g. several ``nnx.Dropout`` layers) get ``fold_in(key, 0)``,
-``fold_in(key, 1)``, ... in graph order, so their masks differ (a ``Stack``'s stacked
-stream splits its key into one per layer). Inside a pipelined ``Stack`` (a stage axis),
-microbatch j of the GPipe schedule (rows j, j+M, ... of the rows the loss sees) runs the
-layers with every RNG key folded with j (``pipeline.microbatch_streams``), so no two
-microbatches share a mask. ``tests/dropout_contract.py`` is this contract as a plain loop.
+RNG contract: at optimizer step k, the key is ``fold_in(key(seed), k)``. Where the gradient
+is computed per replica (pmap, shard_map, and gspmd's per-replica path: grad-accum, fsdp or
+stage axes, ``strategies.wants_per_replica``), replica r then folds in r, its position over
+the batch axes (data, fsdp, expert; expert fastest), which is also the block of global-batch
+rows it holds: ``fold_in(.., r)``. Elsewhere under gspmd one key serves the global batch,
+and the masks are the 1-device masks. With grad-accum, microbatch i (rows i, i+K, ...) folds
+in i: ``fold_in(.., i)``. The model sees what flax's own ``nnx.reseed(model,
+policy="match_shape", **{stream: key for each RNG stream})`` gives: every stream restarts
+from that key, and streams of one name (e.g. several ``nnx.Dropout`` layers) get
+``fold_in(key, 0)``, ``fold_in(key, 1)``, ... in graph order, so their masks differ (a
+``Stack``'s stacked stream splits its key into one per layer). Inside a pipelined ``Stack``
+(a stage axis), microbatch j of the GPipe schedule (rows j, j+M, ... of the rows the loss
+sees) runs the layers with every RNG key folded with j (``pipeline.microbatch_streams``), so
+no two microbatches share a mask. ``tests/dropout_contract.py`` is this contract as a plain
+loop.
 """
 
 from __future__ import annotations

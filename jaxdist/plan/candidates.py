@@ -1,5 +1,6 @@
 """The layouts a plan considers: every mesh data x fsdp x model x stage (x seq, for the
-GPT and the Llama) of the target with ``model`` and ``seq`` inside a node, each with the microbatch
+GPT and the Llama; x expert, for a model with MoE experts) of the target with ``model``,
+``seq`` and ``expert`` inside a node, each with the microbatch
 counts (grad_accum) its batch rows allow and the remat modes; and the screen that
 discards a mesh without compiling when the state alone cannot fit."""
 
@@ -26,18 +27,20 @@ class Layout:
     zero: bool = False  # --shard-optimizer: the optimizer state split over data too
     schedule: str = "gpipe"  # --pipeline-schedule, with stages
     seq_way: str = "ring"  # --seq-attention, with seq: ring or all-to-all
+    expert: int = 1  # a MoE's experts split over expert (and rows, as data splits them)
 
     @property
     def mesh(self) -> str:
         """The ``--mesh`` flag: ``fsdp=64``, ``data=8,model=8``; ``data=1`` on one device."""
         sizes = {"data": self.data, "stage": self.stage, "fsdp": self.fsdp, "model": self.model}
-        sizes["seq"] = self.seq
+        sizes["seq"], sizes["expert"] = self.seq, self.expert
         return ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "data=1"
 
     @property
     def shards(self) -> int:
-        """How many ways the state can be split (data replicates it)."""
-        return self.fsdp * self.model * self.stage
+        """How many ways the state can be split (data replicates it; expert splits only
+        the experts' kernels, counted as splitting all: a floor stays a floor)."""
+        return self.fsdp * self.model * self.stage * self.expert
 
     @property
     def option_flags(self) -> list[str]:
@@ -63,14 +66,19 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(target: Target, fixed: dict[str, int] | None = None, seq_len: int = 0) -> list[Layout]:
+def meshes(
+    target: Target, fixed: dict[str, int] | None = None, seq_len: int = 0, n_experts: int = 0
+) -> list[Layout]:
     """Every data x fsdp x model x stage x seq = the target's devices with ``model`` x
     ``seq`` dividing a node's devices (tensor parallelism's all-reduces and sequence
     parallelism's key/value sends run in every layer: NVLink, not the network); ``stage``
     may span nodes (a pipeline sends one activation per microbatch and stage). ``seq``
     only with ``seq_len`` (the GPT's T, which it must divide), no stages (refused with
     them), and no ``fixed`` mesh or one naming seq. ``fixed`` (the user's ``--mesh``)
-    keeps only the layouts it names, and a ``model`` or ``seq`` it names may span nodes."""
+    keeps only the layouts it names, and a ``model`` or ``seq`` it names may span nodes.
+    ``expert`` only with ``n_experts`` (the model's E, which it must divide), inside
+    what ``model`` x ``seq`` leave of a node: its two all-to-alls per MoE block (and two
+    more backwards) carry every routed token's rows."""
     total, per_node = target.num_devices, target.devices_per_node
     model_limit = total if fixed and "model" in fixed else per_node
     found = []
@@ -78,11 +86,23 @@ def meshes(target: Target, fixed: dict[str, int] | None = None, seq_len: int = 0
         for seq in _seq_sizes(total if fixed else per_node, model, fixed, seq_len):
             for stage in divisors(total // (model * seq)) if seq == 1 else [1]:
                 rest = total // (model * seq * stage)
-                for fsdp in divisors(rest):
-                    layout = Layout(rest // fsdp, fsdp, model, stage, seq=seq)
-                    if not fixed or all(getattr(layout, k) == v for k, v in fixed.items()):
-                        found.append(layout)
+                for expert in _expert_sizes(per_node // (model * seq), rest, fixed, n_experts):
+                    for fsdp in divisors(rest // expert):
+                        data = rest // (expert * fsdp)
+                        layout = Layout(data, fsdp, model, stage, seq=seq, expert=expert)
+                        if not fixed or all(getattr(layout, k) == v for k, v in fixed.items()):
+                            found.append(layout)
     return found
+
+
+def _expert_sizes(room: int, rest: int, fixed, n_experts: int) -> list[int]:
+    """The expert sizes: divisors of E that fit in ``room`` (a node's devices left) and
+    divide ``rest``; a ``fixed`` mesh's own (1 if it names none); [1] without experts."""
+    if fixed:  # the user's mesh: its own expert size, or none
+        return [fixed.get("expert", 1)]
+    if not n_experts:
+        return [1]
+    return [e for e in divisors(max(room, 1)) if n_experts % e == 0 and rest % e == 0]
 
 
 def _seq_sizes(room: int, model: int, fixed, seq_len: int) -> list[int]:
@@ -96,7 +116,7 @@ def _seq_sizes(room: int, model: int, fixed, seq_len: int) -> list[int]:
 def accum_options(layout: Layout, global_batch_size: int) -> list[int]:
     """grad_accum counts that divide the rows each data shard holds, fewest first; []
     if the batch does not divide over data x fsdp."""
-    shards = layout.data * layout.fsdp
+    shards = layout.data * layout.fsdp * layout.expert
     if global_batch_size % shards:
         return []
     return divisors(global_batch_size // shards)
@@ -113,9 +133,9 @@ def state_floor_bytes(layout: Layout, state_bytes: float, param_bytes: float) ->
 
 def crossing_axes(layout: Layout, per_node: int) -> set[str]:
     """The axes whose groups span nodes: a node's devices go to ``model`` first, then
-    ``seq``, ``stage``, ``fsdp``, ``data`` (``jaxdist.parallel.device_mesh.PLACEMENT``)."""
+    ``seq``, ``expert``, ``stage``, ``fsdp``, ``data`` (``device_mesh.PLACEMENT``)."""
     crossing, inner = set(), 1
-    for axis in ("model", "seq", "stage", "fsdp", "data"):
+    for axis in ("model", "seq", "expert", "stage", "fsdp", "data"):
         size = getattr(layout, axis)
         inner *= size
         if size > 1 and inner > per_node:

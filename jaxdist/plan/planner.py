@@ -131,8 +131,9 @@ def _plan(train_flags: list[str], target: Target, options: Options, progress, t0
     env = environment(target, gpu_compiler.python_path() if target.is_gpu else None)
     with Pool(str(target), options.workers, env, options.candidate_timeout_s,
               options.worker_memory_gib) as pool:  # fmt: skip
-        state_bytes, param_bytes = compile_only.state_bytes(base)
-        search = _Search(tree, base, target, capacity, state_bytes, param_bytes, options)
+        state_bytes, param_bytes, n_experts = compile_only.state_facts(base)
+        search = _Search(tree, base, target, capacity, state_bytes, param_bytes, options,
+                         n_experts)  # fmt: skip
         if search.queue:  # something to compile (none when every layout was screened out)
             pool.start()
         for task, result in pool.run(lambda: search.next_task(t0)):
@@ -154,7 +155,9 @@ class _Search:
     """The candidates, the queue of the ones to compile next, and each fitting mesh's
     binary search for its fewest microbatches."""
 
-    def __init__(self, tree, base, target, capacity, state_bytes, param_bytes, options):
+    def __init__(
+        self, tree, base, target, capacity, state_bytes, param_bytes, options, n_experts=0
+    ):
         self.tree, self.base, self.target, self.options = tree, base, target, options
         self.capacity, self.all, self.queue = capacity, [], []
         train, model = tree.get("train", {}), tree.get("model", {})
@@ -169,7 +172,7 @@ class _Search:
         self.fixed_remat = model.get("remat") if self.builtin else base.model.remat
         fixed = {k: v for k, v in parse_mesh(base.train.mesh).items() if v != -1}
         if base.train.strategy != "gspmd":  # pmap and shard_map take data only
-            fixed = {**fixed, "fsdp": 1, "model": 1, "stage": 1, "seq": 1}
+            fixed = {**fixed, "fsdp": 1, "model": 1, "stage": 1, "seq": 1, "expert": 1}
         # A state that fits whole on every device with room to spare: data parallel
         # first (the least communication); else the layouts that split it most.
         replicated = (state_bytes + param_bytes) < capacity / 2
@@ -178,7 +181,7 @@ class _Search:
             data_first=replicated,
         )  # fmt: skip
         seq_len = base.model.seq_len if base.model.name in cands.SEQ_MODELS else 0
-        for mesh in sorted(cands.meshes(target, fixed, seq_len), key=order):
+        for mesh in sorted(cands.meshes(target, fixed, seq_len, n_experts), key=order):
             self._screen(mesh, state_bytes, param_bytes)
         self.refining: list[Refine] = []  # fitting meshes, best estimate first
         self.done = 0
@@ -197,8 +200,8 @@ class _Search:
         layout = layout.with_(**floor_options(mesh, self.fixed))
         floor = cands.state_floor_bytes(layout, state_bytes, param_bytes)
         if not options:
-            batch, shards = self.base.train.global_batch_size, mesh.data * mesh.fsdp
-            why = f"the batch does not divide: {batch} rows over data x fsdp = {shards}"
+            batch, shards = self.base.train.global_batch_size, mesh.data * mesh.fsdp * mesh.expert
+            why = f"the batch does not divide: {batch} rows over data x fsdp x expert = {shards}"
             self._add(layout, "screen", "unsplittable", why)
         elif floor > self.capacity:
             why = (

@@ -86,6 +86,24 @@ class ModelConfig:
     # every N-th layer (layer i with (i + 1) % N == 0) attends to all earlier positions,
     # the others within --sliding-window-tokens; 0: all within it (Gemma 2: N = 2)
     global_layer_every: int = 0
+    # llama: a mixture of experts in place of each block's SwiGLU (jaxdist/models/moe.py,
+    # docs/models.md): E routed experts, each token through its top k; 0: dense
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_ffn_dim: int = 0  # each expert's SwiGLU width; 0: --ffn-dim's
+    moe_shared_experts: int = 0  # experts every token goes through (DeepSeek): width S x F
+    moe_dense_layers: int = 0  # the first D layers keep the dense SwiGLU (DeepSeek)
+    # softmax over the E logits (Mixtral, Qwen-MoE) or sigmoid scores (DeepSeek-V3)
+    moe_router: Literal["softmax", "sigmoid"] = "softmax"
+    moe_norm_topk: bool = True  # the k routing weights divided by their sum (Mixtral)
+    moe_route_scale: float = 1.0  # the routing weights times this (DeepSeek-V3: 2.5)
+    # per sequence, each expert takes at most ceil(c T k / E) (token, choice) pairs, in
+    # position order, the rest dropped; 0: dropless (every pair, grouped matmuls)
+    moe_capacity_factor: float = 0.0
+    # the weights in the loss of the per-sequence load-balancing loss (1 when balanced)
+    # and the router z-loss (mean logsumexp^2), each the mean over layers
+    moe_balance_coef: float = 0.01
+    moe_z_coef: float = 0.001
     # a Hugging Face folder (or its config.json) of model_type llama, qwen2, qwen3,
     # mistral, mixtral, qwen3_moe (--model llama) or gemma2 (--model gemma): the model
     # and its flags from it

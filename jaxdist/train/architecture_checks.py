@@ -12,7 +12,36 @@ from jaxdist.errors import ConfigError
 def check(model, mesh: str) -> None:
     check_llama(model)
     check_gemma(model, mesh)
+    check_moe(model)
     check_loss_chunks(model)
+
+
+def check_moe(model) -> None:
+    """``--moe-*``: experts for the Llama only; the other MoE flags only with experts."""
+    from jaxdist.train.build_model import MOE_FLAGS
+
+    given = [f"--{k.replace('_', '-')} {getattr(model, k)}" for k, v in MOE_FLAGS.items()
+             if k != "moe_experts" and getattr(model, k) != v]  # fmt: skip
+    e = model.moe_experts
+    if not e:
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} without --moe-experts: the model is dense, so they "
+                "would change nothing; give --moe-experts E or drop them"
+            )
+        return
+    if model.name == "gemma":
+        raise ConfigError(
+            "--moe-experts with --model gemma: its GELU-tanh MLP has no MoE form here; "
+            "use --model llama"
+        )
+    if model.moe_top_k > e:
+        raise ConfigError(f"--moe-top-k {model.moe_top_k} exceeds --moe-experts {e}")
+    if model.moe_dense_layers >= model.n_layers:
+        raise ConfigError(
+            f"--moe-dense-layers {model.moe_dense_layers} leaves none of the "
+            f"{model.n_layers} layers (--n-layers) with experts"
+        )
 
 
 LLAMA_FAMILY = ("llama", "gemma")  # the built-in models of the Llama's blocks and flags

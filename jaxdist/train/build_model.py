@@ -87,9 +87,23 @@ def _llama(cfg: ModelConfig, rngs: nnx.Rngs, **family) -> nnx.Module:
         remat=cfg.remat,
         dropout=cfg.dropout,
         seq_attention=cfg.seq_attention,
+        moe=moe_settings(cfg),
         rngs=rngs,
         **family,
     )
+
+
+def moe_settings(cfg: ModelConfig):
+    """The Llama's ``MoESettings`` from ``--moe-*``, or None (dense) without experts."""
+    if not cfg.moe_experts:
+        return None
+    from jaxdist.models.moe import MoESettings
+
+    return MoESettings(
+        cfg.moe_experts, cfg.moe_top_k, cfg.moe_ffn_dim, cfg.moe_shared_experts,
+        cfg.moe_dense_layers, cfg.moe_router, cfg.moe_norm_topk, cfg.moe_route_scale,
+        cfg.moe_capacity_factor, cfg.moe_balance_coef, cfg.moe_z_coef,
+    )  # fmt: skip
 
 
 def _gemma(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
@@ -208,12 +222,17 @@ class Fp8Builder:
 SHARED_FLAGS = {"scan_layers": False, "remat": "none", "dropout": 0.0, "attention": "auto",
                 "seq_attention": "ring"}  # fmt: skip
 GPT_FLAGS = {**SHARED_FLAGS, "layer_norm_eps": 1e-6}
+MOE_FLAGS = {"moe_experts": 0, "moe_top_k": 2, "moe_ffn_dim": 0, "moe_shared_experts": 0,
+             "moe_dense_layers": 0, "moe_router": "softmax", "moe_norm_topk": True,
+             "moe_route_scale": 1.0, "moe_capacity_factor": 0.0, "moe_balance_coef": 0.01,
+             "moe_z_coef": 0.001}  # fmt: skip
 LLAMA_FLAGS = {
     **SHARED_FLAGS, "n_kv_heads": 0, "head_dim": 0, "ffn_dim": 0, "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0, "rope_type": "default", "rope_factor": 1.0,
     "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
     "rope_original_max_positions": 8192, "qk_norm": False, "attention_bias": "none",
     "sliding_window_tokens": 0, "tie_embeddings": True, "model_from_config": "",
+    **MOE_FLAGS,
 }  # fmt: skip
 GEMMA_FLAGS = {**LLAMA_FLAGS, "attn_softcap": 0.0, "final_softcap": 0.0, "query_scale_dim": 0,
                "global_layer_every": 0}  # fmt: skip

@@ -17,13 +17,16 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jaxdist.cluster import cpu_backend
 from jaxdist.data import sidecar
 from jaxdist.data.text import BYTE_VOCAB
 from jaxdist.errors import ConfigError
 from jaxdist.parallel import hlo, strategies
-from jaxdist.parallel.device_mesh import batch_shards
+from jaxdist.parallel.axis_names import Names
+from jaxdist.parallel.axis_names import parse as parse_axis_names
+from jaxdist.parallel.device_mesh import EXPERT, batch_shards
 from jaxdist.train import build_data, trainer
 from jaxdist.train.build_model import model_task
 from jaxdist.train.config import Config
@@ -124,14 +127,34 @@ def build(config: Config, devices) -> tuple:
 
 def state_bytes(config: Config) -> tuple[float, float]:
     """(training state, parameters) in bytes, from the abstract state of a 1-device run."""
+    return state_facts(config)[:2]
+
+
+def state_facts(config: Config) -> tuple[float, float, int]:
+    """(training state bytes, parameter bytes, E): E the experts of the model's MoE
+    blocks, the size of the dimension its annotations map onto the ``expert`` axis (0 when
+    none does: the planner then offers no expert axis)."""
     one = copy.deepcopy(config)
     one.train.mesh, one.train.num_devices, one.train.grad_accum = "", 0, 1
     one.train.global_batch_size = 1
     one.train.offload, one.train.shard_optimizer = "", False  # options of a mesh: none here
-    _, program, _ = build(one, jax.devices()[:1])
+    dp, program, _ = build(one, jax.devices()[:1])
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.state))
     params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.state.params))
-    return float(total), float(params)
+    return float(total), float(params), expert_dim(dp._source.abstract_params, config)
+
+
+def expert_dim(abstract_params, config: Config) -> int:
+    """The largest dimension that a parameter's annotation maps onto ``expert``, or 0."""
+    names = Names(parse_axis_names(config.train.axis_names))
+    found = 0
+    for path, var in nnx.to_flat_state(abstract_params):
+        meta = var.get_metadata()
+        shape = var.get_value().shape
+        for dim, entry in enumerate(meta.get("out_sharding") or ()):
+            if dim < len(shape) and EXPERT in names.axes(entry, str(path), meta):
+                found = max(found, shape[dim])
+    return found
 
 
 @dataclasses.dataclass

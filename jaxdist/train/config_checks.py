@@ -84,6 +84,15 @@ RANGES: dict[str, Bound] = {
     "model.final_softcap": at_least(0),
     "model.query_scale_dim": at_least(0),  # 0: head_dim
     "model.global_layer_every": at_least(0),  # 0: every layer within the window
+    "model.moe_experts": at_least(0),  # 0: dense
+    "model.moe_top_k": at_least(1),
+    "model.moe_ffn_dim": at_least(0),  # 0: --ffn-dim
+    "model.moe_shared_experts": at_least(0),
+    "model.moe_dense_layers": at_least(0),
+    "model.moe_route_scale": POSITIVE,
+    "model.moe_capacity_factor": at_least(0),  # 0: dropless
+    "model.moe_balance_coef": at_least(0),
+    "model.moe_z_coef": at_least(0),
     "data.eval_fraction": SHARE,
     "data.prefetch": at_least(1),
     "data.data_workers": at_least(0),  # 0: none (the thread prefetcher only)

@@ -34,7 +34,7 @@ from jaxdist.train.run_sinks import announce, make_sinks, prepare_sinks
 
 
 def check_batch(global_batch_size: int, num_devices: int, grad_accum: int) -> int:
-    """Returns the per-device batch (``num_devices``: the batch shards, data x fsdp);
+    """Returns the per-device batch (``num_devices``: the batch shards, data x fsdp x expert);
     errors name the numbers that do not divide."""
     if global_batch_size % num_devices:
         raise ConfigError(

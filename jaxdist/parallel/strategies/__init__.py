@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxdist.errors import ConfigError
-from jaxdist.parallel.device_mesh import DATA, SEQ, batch_shards
+from jaxdist.parallel.device_mesh import DATA, EXPERT, SEQ, batch_shards
 from jaxdist.parallel.layout import Layout
 
 NAMES = ("pmap", "shard_map", "gspmd")
@@ -41,6 +41,12 @@ def layout(name: str, mesh: Mesh, rules=(), axis_names=None, shard_optimizer=Fal
         raise ConfigError(
             "--shard-optimizer: pmap keeps one whole copy of the state per device; use "
             "--strategy gspmd (or shard_map) to split the optimizer state over data"
+        )
+    if mesh.shape.get(EXPERT, 1) > 1 and name == "pmap":
+        raise ConfigError(
+            f"strategy pmap: --mesh expert={mesh.shape[EXPERT]} splits a MoE's experts over "
+            "devices, which needs the mesh inside the step; pmap only copies the model per "
+            "device. Use --strategy gspmd (or shard_map)"
         )
     beyond_data = {a: n for a, n in mesh.shape.items() if a != DATA and n > 1}
     if beyond_data and name == "pmap":

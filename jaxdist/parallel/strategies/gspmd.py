@@ -1,4 +1,4 @@
-"""GSPMD: ``jax.jit`` with NamedShardings. Batch rows split over ("data", "fsdp"),
+"""GSPMD: ``jax.jit`` with NamedShardings. Batch rows split over (data, fsdp, expert),
 replicated over ``model`` and ``stage``; the state in the layout ``state_shardings``
 decides (replicated on a data-only mesh), kept in and out of the step.
 
@@ -18,7 +18,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.parallel.device_mesh import SEQ, batch_spec, traced_in
+from jaxdist.parallel.device_mesh import EXPERT, SEQ, batch_spec, traced_in
 
 
 def wire(build, mesh, state_sharding, per_replica=None):
@@ -29,6 +29,8 @@ def wire(build, mesh, state_sharding, per_replica=None):
         # Each batch array in the layout shard_batch gave it (its sequence split over seq
         # where seq divides it), and the mesh ambient for jaxdist.attention.
         batch = None
+    if mesh.shape.get(SEQ, 1) > 1 or mesh.shape.get(EXPERT, 1) > 1:
+        # the mesh ambient for jaxdist.attention (seq) and a MoE's experts (expert_parallel)
         train_step, eval_step = traced_in(mesh, train_step), traced_in(mesh, eval_step)
     step = jax.jit(
         train_step,

@@ -84,8 +84,8 @@ def forward_ticks(apply, local, x, stages: int, m: int, keep_inputs: bool = Fals
     def tick(carry, t):
         received, outputs, kept = carry
         # Stage 0 starts microbatch t; the others work on what they were sent.
-        first = lax.dynamic_index_in_dim(inputs, jnp.minimum(t, m - 1), keepdims=False)
-        h = jnp.where(stage == 0, first, received)
+        first = index_tree(inputs, jnp.minimum(t, m - 1))
+        h = where_tree(stage == 0, first, received)
         index = jnp.clip(t - stage, 0, m - 1)
         if keep_inputs:  # only inside the schedule's M ticks: the rest would overwrite
             inside = (t >= stage) & (t - stage < m)
@@ -95,24 +95,46 @@ def forward_ticks(apply, local, x, stages: int, m: int, keep_inputs: bool = Fals
         outputs = put_where(outputs, jnp.maximum(done, 0), y, (stage == last) & (done >= 0))
         return (lax.ppermute(y, STAGE, forward_pairs(stages)), outputs, kept), None
 
-    zeros = varying_over_stage(jnp.zeros_like(inputs))
+    zeros = varying_over_stage(jax.tree.map(jnp.zeros_like, inputs))
     kept = zeros if keep_inputs else None
-    start = (varying_over_stage(jnp.zeros_like(inputs[0])), zeros, kept)
+    start = (jax.tree.map(lambda a: a[0], zeros), zeros, kept)
     (_, outputs, kept), _ = lax.scan(tick, start, jnp.arange(m + last))
     # Every stage gets the last stage's outputs: the rest of the model runs everywhere.
-    outputs = lax.psum(jnp.where(stage == last, outputs, 0), STAGE)
-    return join_microbatches(outputs), kept
+    return join_microbatches(from_stage(last, outputs)), kept
 
 
 def forward_pairs(stages: int) -> list[tuple[int, int]]:
     return [(s, s + 1) for s in range(stages - 1)]  # stage s sends to s + 1
 
 
+# The activations a stack passes between layers may be a pytree of (B, ...) leaves (an
+# MoE model's ``Routed``: (B, T, D) and per-row aux); the schedules move them leaf by leaf.
+
+
 def put_where(buffer, index, value, condition):
     """``buffer[index] = value`` where ``condition``; one slot read and written, not a
     select over the whole (M, ...) buffer."""
-    old = lax.dynamic_index_in_dim(buffer, index, keepdims=False)
-    return lax.dynamic_update_index_in_dim(buffer, jnp.where(condition, value, old), index, 0)
+
+    def put(buffer, value):
+        old = lax.dynamic_index_in_dim(buffer, index, keepdims=False)
+        return lax.dynamic_update_index_in_dim(buffer, jnp.where(condition, value, old), index, 0)
+
+    return jax.tree.map(put, buffer, value)
+
+
+def index_tree(tree, index):
+    """``tree[index]`` of every (M, ...) leaf."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
+
+
+def where_tree(condition, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(condition, x, y), a, b)
+
+
+def from_stage(source: int, tree):
+    """Every stage gets stage ``source``'s ``tree``."""
+    stage = lax.axis_index(STAGE)
+    return lax.psum(jax.tree.map(lambda a: jnp.where(stage == source, a, 0), tree), STAGE)
 
 
 def on_stages(per_stage, mesh: Mesh, in_specs, out_specs):
@@ -137,14 +159,21 @@ def in_f32_on_cpu(run):
 
     @functools.wraps(run)
     def wrapped(apply, stacked, x, *, mesh: Mesh, **kw):
-        if x.dtype == jnp.float32 or mesh.devices.flat[0].platform != "cpu":
+        dtypes = [a.dtype for a in jax.tree.leaves(x)]
+        if all(d == jnp.float32 for d in dtypes) or mesh.devices.flat[0].platform != "cpu":
             return run(apply, stacked, x, mesh=mesh, **kw)
-        dtype = x.dtype
+        treedef = jax.tree.structure(x)
+
+        def cast(tree, back=False):  # each leaf to float32, or back to x's leaf's dtype
+            leaves = jax.tree.leaves(tree)
+            to = dtypes if back else [jnp.float32] * len(dtypes)
+            cast_leaves = [a.astype(d) for a, d in zip(leaves, to, strict=True)]
+            return jax.tree.unflatten(treedef, cast_leaves)
 
         def apply_f32(layer, h):
-            return apply(layer, h.astype(dtype)).astype(jnp.float32)
+            return cast(apply(layer, cast(h, back=True)))
 
-        return run(apply_f32, stacked, x.astype(jnp.float32), mesh=mesh, **kw).astype(dtype)
+        return cast(run(apply_f32, stacked, cast(x), mesh=mesh, **kw), back=True)
 
     return wrapped
 
@@ -170,13 +199,13 @@ def varying_over_stage(x):
     """``x`` typed as differing across stages (as the scan's carry becomes once stages
     send to each other): ``lax.pcast`` in this JAX, ``lax.pvary`` in older ones."""
     if hasattr(lax, "pcast"):
-        return lax.pcast(x, STAGE, to="varying")
-    return lax.pvary(x, STAGE)
+        return jax.tree.map(lambda a: lax.pcast(a, STAGE, to="varying"), x)
+    return jax.tree.map(lambda a: lax.pvary(a, STAGE), x)
 
 
 def join_microbatches(x):
-    """(M, B/M, ...) -> (B, ...): the inverse of ``split_microbatches``."""
-    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+    """(M, B/M, ...) -> (B, ...) of every leaf: the inverse of ``split_microbatches``."""
+    return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[2:]), x)
 
 
 @dataclasses.dataclass(frozen=True)

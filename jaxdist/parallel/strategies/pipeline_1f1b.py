@@ -44,11 +44,14 @@ from jaxdist.parallel.step import split_microbatches
 from jaxdist.parallel.strategies.pipeline import (
     STAGE,
     forward_ticks,
+    from_stage,
     in_f32_on_cpu,
+    index_tree,
     join_microbatches,
     microbatch_streams,
     on_stages,
     put_where,
+    where_tree,
 )
 
 
@@ -129,17 +132,16 @@ def backward_ticks(run, params, kept, dy, stages: int, m: int):
         k = t - (last - stage)
         inside = (k >= 0) & (k < m)
         index = jnp.clip(m - 1 - k, 0, m - 1)
-        h = lax.dynamic_index_in_dim(kept, index, keepdims=False)
-        mine = lax.dynamic_index_in_dim(cotangents, index, keepdims=False)
+        h, mine = index_tree(kept, index), index_tree(cotangents, index)
         _, vjp = run(params, h, index)  # 1 F: the activations of this microbatch only
-        d_params, d_h = vjp(jnp.where(stage == last, mine, received))  # 1 B
+        d_params, d_h = vjp(where_tree(stage == last, mine, received))  # 1 B
         grads = jax.tree.map(lambda g, d: g + jnp.where(inside, d, 0), grads, d_params)
         dx = put_where(dx, index, d_h, (stage == 0) & inside)
         return (lax.ppermute(d_h, STAGE, back), grads, dx), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    start = (jnp.zeros_like(kept[0]), zeros, jnp.zeros_like(kept))  # varying, as kept is
+    dx = jax.tree.map(jnp.zeros_like, kept)  # varying, as kept is
+    start = (jax.tree.map(lambda a: a[0], dx), zeros, dx)
     (_, grads, dx), _ = lax.scan(tick, start, jnp.arange(m + last))
     # Stage 0 holds the input's cotangent; every stage returns it, as it got x.
-    dx = lax.psum(jnp.where(stage == 0, dx, 0), STAGE)
-    return grads, join_microbatches(dx)
+    return grads, join_microbatches(from_stage(0, dx))

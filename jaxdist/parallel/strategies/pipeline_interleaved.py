@@ -32,12 +32,15 @@ from jaxdist.models.stack import scan_layers
 from jaxdist.parallel.step import split_microbatches
 from jaxdist.parallel.strategies.pipeline import (
     STAGE,
+    from_stage,
     in_f32_on_cpu,
+    index_tree,
     join_microbatches,
     microbatch_streams,
     on_stages,
     put_where,
     varying_over_stage,
+    where_tree,
 )
 
 
@@ -84,9 +87,8 @@ def circular_ticks(apply, local, x, stages: int, m: int, virtual: int):
         # Indexed by t, the same on every stage: a stage-dependent index would make the
         # backward pass all-reduce the whole (M, B/M, ...) input's cotangent every tick.
         zero_index, zero_turn = t % m, t // m
-        fresh = lax.dynamic_index_in_dim(inputs, zero_index, keepdims=False)
-        again = lax.dynamic_index_in_dim(waiting, zero_index, keepdims=False)
-        h = jnp.where(stage == 0, jnp.where(zero_turn == 0, fresh, again), received)
+        fresh, again = index_tree(inputs, zero_index), index_tree(waiting, zero_index)
+        h = where_tree(stage == 0, where_tree(zero_turn == 0, fresh, again), received)
         chunk = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, turn, keepdims=False), chunks)
         y = scan_layers(apply, microbatch_streams(chunk, index), h)
         final = (stage == last) & (t - stage >= (virtual - 1) * m) & (t - stage < virtual * m)
@@ -97,8 +99,7 @@ def circular_ticks(apply, local, x, stages: int, m: int, virtual: int):
         waiting = put_where(waiting, jnp.maximum(came, 0) % m, sent, keep)
         return (sent, waiting, outputs), None
 
-    zeros = varying_over_stage(jnp.zeros_like(inputs))
-    start = (varying_over_stage(jnp.zeros_like(inputs[0])), zeros, zeros)
+    zeros = varying_over_stage(jax.tree.map(jnp.zeros_like, inputs))
+    start = (jax.tree.map(lambda a: a[0], zeros), zeros, zeros)
     (_, _, outputs), _ = lax.scan(tick, start, jnp.arange(virtual * m + last))
-    outputs = lax.psum(jnp.where(stage == last, outputs, 0), STAGE)
-    return join_microbatches(outputs)
+    return join_microbatches(from_stage(last, outputs))

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.errors import ConfigError
 from jaxdist.models.stack import scan_layers
 from jaxdist.parallel.collectives import mean_over_replicas
-from jaxdist.parallel.device_mesh import BATCH_AXES, DATA
+from jaxdist.parallel.device_mesh import BATCH_AXES, DATA, EXPERT
 
 NO_DIM = -1  # a parameter not split over fsdp
 
@@ -65,7 +65,10 @@ class PerReplica:
             self.axes = BATCH_AXES
             # Manual over the batch axes; model and stage stay with the compiler.
             self.manual = frozenset(a for a, n in mesh.shape.items() if a in BATCH_AXES or n == 1)
-        self.fsdp = mesh.shape.get("fsdp", 1)
+        self.fsdp, self.expert = mesh.shape.get("fsdp", 1), mesh.shape.get(EXPERT, 1)
+        # split over expert (a MoE's kernels): each replica's gradient of its shard already
+        # sums the cotangents of its whole expert group, sent back by the all_to_alls
+        self.by_expert = jax.tree.map(lambda s: EXPERT in _axes(s.spec), param_shardings)
         self.specs = jax.tree.map(lambda s: _manual_spec(s.spec, self.manual), param_shardings)
         self.dims = jax.tree.map(lambda s: _fsdp_dim(s.spec), param_shardings)
         # by_layer: True for the stacked parameters of a Stack, which its scan gathers one
@@ -131,16 +134,26 @@ class PerReplica:
                 return mean(x, (DATA,))
             return _scatter(split, self.mesh.shape[DATA], DATA)(x)
 
-        def one(dim, later, split, g):
+        def one(dim, later, split, experts, g):
+            if self.expert > 1:  # the expert group's mean: a sum over it for its shards
+                if experts:
+                    g = _on_value(g, lambda x: x / self.expert)
+                elif dim != NO_DIM or split != NO_DIM:
+                    g = _on_value(g, lambda x: mean(x, (EXPERT,)))
             if dim == NO_DIM:
-                if split == NO_DIM:
-                    return _on_value(g, lambda x: mean(x, self.axes))
+                if split == NO_DIM:  # one all-reduce over the batch axes, expert's done
+                    axes = self.axes if self.expert == 1 or not experts else self._rows
+                    return _on_value(g, lambda x: mean(x, axes))
                 return _on_value(g, lambda x: over_data(mean(x, ("fsdp",)), split))
             if later:  # already summed over fsdp and scattered, layer by layer
                 return _unmarked(_on_value(g, lambda x: over_data(x / self.fsdp, split)))
             return _on_value(g, lambda x: over_data(_scatter(dim, self.fsdp)(x), split))
 
-        return jax.tree.map(one, self.dims, self.later, self.scatter_dims, grads)
+        return jax.tree.map(one, self.dims, self.later, self.scatter_dims, self.by_expert, grads)
+
+    @property
+    def _rows(self) -> tuple[str, ...]:
+        return tuple(a for a in self.axes if a != EXPERT)
 
     def grads(self, grads_fn):
         """``grads_fn(params, stats, rng_state, step, batch)`` of ``step.make_grads``
@@ -205,6 +218,10 @@ def _manual_spec(spec: P, manual) -> P:
         return None if not names else names[0] if len(names) == 1 else names
 
     return P(*(keep(e) for e in spec))
+
+
+def _axes(spec: P) -> set[str]:
+    return {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
 
 
 def _fsdp_dim(spec: P) -> int:
