@@ -55,7 +55,7 @@ FAMILIES = {  # family -> (config class, its settings beyond the shared sizes)
 BY_HAND = {
     "mixtral": ["--moe-experts", "4", "--moe-top-k", "2", "--moe-ffn-dim", "24",
                 "--moe-norm-topk", "--n-kv-heads", "2", "--sliding-window-tokens", "8",
-                "--rms-norm-eps", "1e-5", "--rope-theta", "1e6"],
+                "--head-dim", "8", "--rms-norm-eps", "1e-5", "--rope-theta", "1e6"],
     "qwen3_moe": ["--moe-experts", "8", "--moe-top-k", "2", "--moe-ffn-dim", "24",
                   "--ffn-dim", "40", "--no-moe-norm-topk", "--n-kv-heads", "2",
                   "--head-dim", "16", "--qk-norm"],
@@ -91,10 +91,16 @@ def settings(folder, *extra: str, init_map: str = "", from_config: bool = True, 
     ])  # fmt: skip
 
 
-def logits_read_in(config) -> np.ndarray:
+def read_in(config):
+    """The run ``setup`` makes of ``config``, closed again: its parameters are the file's."""
     run = setup(config)
     run.batches.close()
     run.health.close(finished=True)
+    return run
+
+
+def logits_read_in(config) -> np.ndarray:
+    run = read_in(config)
     return np.asarray(run.dp.merge(run.state)(TOKENS))
 
 
@@ -130,7 +136,11 @@ def test_init_from_gives_transformers_logits(folders, family, mesh, monkeypatch)
         reads.append((name, index)) or read(self, name, index)))  # fmt: skip
     config = settings(folders[family], "--mesh", mesh, devices=2 ** len(mesh.split(",")))
     assert config.model.moe_experts == FAMILIES[family][1].get("num_local_experts", 8)
-    ours, theirs = logits_read_in(config), eager_logits(folders[family], TOKENS)
+    run = read_in(config)
+    ours = np.asarray(run.dp.merge(run.state)(TOKENS))
+    theirs = eager_logits(folders[family], TOKENS)
+    spec = run.dp.named_targets["params/blocks/0/moe/gate"].sharding.spec  # (E, D, F)
+    assert (spec[0] == "expert") == mesh.startswith("expert"), spec
     experts = [index for name, index in reads if ".experts." in name]
     # each (F, D) or (D, F) expert tensor read by quarters: (12, 16) or (16, 12)
     assert experts and all(sorted(s.stop - s.start for s in i) == [12, 16] for i in experts)
