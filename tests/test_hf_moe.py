@@ -35,7 +35,6 @@ transformers = pytest.importorskip("transformers", reason="the hf extra: pip ins
 from hf_reference import eager_logits, nudged_and_saved  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
 from jaxdist.export import main as export_main  # noqa: E402
-from jaxdist.parallel.device_mesh import AXES  # noqa: E402
 from jaxdist.train import config as config_lib  # noqa: E402
 from jaxdist.train.trainer import setup, train  # noqa: E402
 from jaxdist.weights.weight_map import SHIPPED  # noqa: E402
@@ -60,8 +59,6 @@ BY_HAND = {
                   "--ffn-dim", "40", "--no-moe-norm-topk", "--n-kv-heads", "2",
                   "--head-dim", "16", "--qk-norm"],
 }  # fmt: skip
-NO_EXPERT_AXIS = "expert" not in AXES
-EXPERT_SKIP = "no `expert` mesh axis in jaxdist.parallel.device_mesh.AXES yet"
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +116,7 @@ def test_save_pretrained_writes_one_tensor_per_expert(folders):
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in names
 
 
-@pytest.mark.parametrize(
-    "mesh",
-    ["fsdp=2,model=2",
-     pytest.param("expert=2,fsdp=2,model=2", marks=pytest.mark.skipif(NO_EXPERT_AXIS,
-                                                                      reason=EXPERT_SKIP))],
-)  # fmt: skip
+@pytest.mark.parametrize("mesh", ["fsdp=2,model=2", "expert=2,fsdp=2,model=2"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_init_from_gives_transformers_logits(folders, family, mesh, monkeypatch):
     # model=2 splits the heads and each expert's width (12 of 24), fsdp=2 its D (16 of
