@@ -105,7 +105,8 @@ class ModelConfig:
     moe_balance_coef: float = 0.01
     moe_z_coef: float = 0.001
     # a Hugging Face folder (or its config.json) of model_type llama, qwen2, qwen3,
-    # mistral (--model llama) or gemma2 (--model gemma): the model and its flags from it
+    # mistral, mixtral, qwen3_moe (--model llama) or gemma2 (--model gemma): the model
+    # and its flags from it
     # (a flag given that disagrees with the file: exit 2, naming both)
     model_from_config: str = ""
     # float8 matmuls in the model's nnx.Linear layers (e4m3 forward, e5m2 gradients,
@@ -113,7 +114,7 @@ class ModelConfig:
     fp8: bool = False
     # start from these weights (a .safetensors file, or a folder with its index JSON),
     # renamed and reshaped by --init-map (a YAML file, or a shipped map: gpt2, llama,
-    # qwen2, qwen3, mistral, gemma2)
+    # qwen2, qwen3, mistral, mixtral, qwen3_moe, gemma2)
     init_from: str = ""
     init_map: str = ""
 

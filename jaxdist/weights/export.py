@@ -52,10 +52,10 @@ def export_run(
     for full, array in arrays.items():
         kind, _, name = full.partition("/")
         if kind in KINDS:
-            source, value = to_source(name, np.asarray(array), weight_map, names)
-            if source in tensors:
-                raise ConfigError(f"{weight_map.name}: two parameters write {source}")
-            tensors[source] = value
+            for source, value in to_source(name, np.asarray(array), weight_map, names):
+                if source in tensors:
+                    raise ConfigError(f"{weight_map.name}: two parameters write {source}")
+                tensors[source] = value
     extra = {}
     if weight_map.config_json:
         config = fill_config(weight_map.config_json, names)
@@ -66,19 +66,28 @@ def export_run(
 
 
 def to_source(name: str, array: np.ndarray, weight_map: WeightMap, names: dict):
-    """A parameter's name and array in the file's form: the first rule that names it."""
+    """A parameter's (name, array) pairs in the file's form, by the first rule that names
+    it: one pair, or under ``stack`` one per slice of axis 0 (an (E, D, F) parameter:
+    E tensors)."""
     for rule in weight_map.rules:
-        source = rule.source_name(name)
-        if source is None:
+        if rule.source_name(name, 0) is None:
             continue
-        if rule.groups:
-            sizes = {k: resolve(v, names, f"{rule.model} sizes") for k, v in rule.sizes.items()}
-            right, left = rule.groups[1], rule.groups[0]
-            array = rearrange.apply(array, right, left, sizes, f"{name} ({rule.rearrange})")
-        elif rule.pad_rows is not None:  # the model's padding rows are not the file's
-            array = array[: resolve(rule.pad_rows, names, f"{rule.model} pad_rows")]
-        return source, array
+        if rule.stack:
+            return [(rule.source_name(name, j), _to_file(rule, name, a, names))
+                    for j, a in enumerate(array)]  # fmt: skip
+        return [(rule.source_name(name), _to_file(rule, name, array, names))]
     raise ConfigError(f"{weight_map.name}: no rule names the parameter {name}")
+
+
+def _to_file(rule, name: str, array: np.ndarray, names: dict) -> np.ndarray:
+    """One tensor in the file's layout: the rule's rearrange read backwards."""
+    if rule.groups:
+        sizes = {k: resolve(v, names, f"{rule.model} sizes") for k, v in rule.sizes.items()}
+        right, left = rule.groups[1], rule.groups[0]
+        return rearrange.apply(array, right, left, sizes, f"{name} ({rule.rearrange})")
+    if rule.pad_rows is not None:  # the model's padding rows are not the file's
+        return array[: resolve(rule.pad_rows, names, f"{rule.model} pad_rows")]
+    return array
 
 
 def read_checkpoint(run_dir: Path, step: int | None = None) -> tuple[int, dict, dict]:

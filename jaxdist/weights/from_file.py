@@ -7,6 +7,8 @@ each tensor of the file used or ignored, each shape what the map makes of it. It
 lists everything unmatched, on both sides, with shapes. ``read`` then builds one region
 of a parameter: ``jax.make_array_from_callback`` asks for each device's region, and
 only those bytes of the file are read (a folder of shards: only the files they are in).
+A rule's ``stack`` makes one parameter of N tensors (a mixture's experts, (E, ...)):
+a region's slices of axis 0 are read from those tensors only.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ SHOWN = 12  # unmatched names listed per side; the count says how many more
 class Source:
     name: str  # the tensor in the file
     rule: Rule
-    shape: tuple[int, ...]  # in the file
+    shape: tuple[int, ...]  # in the file (a stack's: each of its tensors')
+    parts: tuple[str, ...] = ()  # a stacking rule's tensors, slice 0 first
 
 
 def plan(
@@ -43,17 +46,27 @@ def plan(
                 unused.append(f"{tensor} {list(shape)}")
             continue
         found.setdefault(hit[0], []).append(Source(tensor, hit[1], shape))
+    stacks, bad_stacks = [], set()
+    for m, sources in found.items():
+        if sources[0].rule.stack and all(s.rule is sources[0].rule for s in sources):
+            stacked = _stacked(sources)
+            if isinstance(stacked, Source):
+                found[m] = [stacked]
+            else:  # what is wrong with them
+                stacks.append(f"{m} <- {sources[0].rule.source}: {stacked}")
+                found[m], bad_stacks = sources[:1], bad_stacks | {m}
     missing = [f"{m} {list(s)}" for m, s in model.items() if m not in found]
     twice = [f"{m} <- {', '.join(s.name for s in v)}" for m, v in found.items() if len(v) > 1]
     shapes = []
     for m, sources in found.items():
-        problem = _misfit(sources[0], model[m], names)
+        problem = "" if m in bad_stacks else _misfit(sources[0], model[m], names)
         if problem:
             shapes.append(f"{sources[0].name} -> {m}: {problem}")
     problems = [
         _listed("parameters of the model that no tensor of the file gives", missing),
         _listed("tensors of the file that match no parameter (nor 'ignore')", unused),
         _listed("parameters matched more than once", twice),
+        _listed("stacks whose tensors are not numbered 0..N-1 once each, of one shape", stacks),
         _listed("shapes that do not fit", shapes),
     ]
     problems = [p for p in problems if p]
@@ -62,6 +75,26 @@ def plan(
             f"--init-from {reader.path} with {weight_map.name}: " + "; ".join(problems)
         )
     return {m: v[0] for m, v in found.items()}
+
+
+def _stacked(sources: list[Source]) -> Source | str:
+    """A stacking rule's tensors as one Source (``parts`` by slice number), or what is
+    wrong with them: a number missing or twice, shapes that differ."""
+    rule = sources[0].rule
+    by_index: dict[int, list[Source]] = {}
+    for source in sources:
+        by_index.setdefault(rule.stack_index(source.name), []).append(source)
+    gaps = sorted(set(range(max(by_index) + 1)) - set(by_index))
+    twice = sorted(j for j, v in by_index.items() if len(v) > 1)
+    shapes = {s.shape for s in sources}
+    if gaps or twice or len(shapes) > 1:
+        return "; ".join(filter(None, [
+            gaps and f"no {rule.stack}={', '.join(map(str, gaps))}",
+            twice and f"{rule.stack}={', '.join(map(str, twice))} more than once",
+            len(shapes) > 1 and f"shapes {sorted(map(list, shapes))}",
+        ]))  # fmt: skip
+    parts = tuple(by_index[j][0].name for j in range(len(by_index)))
+    return Source(parts[0], rule, sources[0].shape, parts)
 
 
 def _listed(what: str, items: list[str]) -> str:
@@ -74,6 +107,10 @@ def _listed(what: str, items: list[str]) -> str:
 def _misfit(source: Source, model_shape: tuple[int, ...], names: dict) -> str:
     """What is wrong with reading ``source`` into a parameter of ``model_shape``, or ""."""
     rule, shape = source.rule, source.shape
+    if source.parts:  # (N, what each of the N tensors makes)
+        if not model_shape or len(source.parts) != model_shape[0]:
+            return f"{len(source.parts)} tensors stacked, the model has {list(model_shape)}"
+        return _misfit(Source(source.name, rule, shape), tuple(model_shape[1:]), names)
     what = f"{source.name} ({rule.rearrange})"
     if rule.groups:
         sizes = _sizes(rule, names)
@@ -101,6 +138,11 @@ def read(reader: Reader, source: Source, index: tuple, shape, names: dict) -> np
     index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape, strict=False))
     index = index + tuple(slice(0, n) for n in shape[len(index) :])
     rule = source.rule
+    if source.parts:  # the slices index[0] of axis 0, each read from its own tensor only
+        return np.stack([
+            read(reader, Source(source.parts[j], rule, source.shape), index[1:], shape[1:], names)
+            for j in range(index[0].start, index[0].stop)
+        ])  # fmt: skip
     if rule.groups:
         return rearrange.read(
             lambda at: reader.read(source.name, at), source.shape, *rule.groups,

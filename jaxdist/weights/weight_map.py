@@ -21,6 +21,13 @@ applies the map right to left). A size is a number or a name of the model's conf
 paths of the unstacked model (``blocks/0/qkv/kernel``: a scanned stack's layers by
 number), as checkpoints name them. Without a map, a file's names are the model's.
 
+``stack: FIELD`` (a field of ``from`` that ``to`` lacks): the tensors of the file that
+differ only in that field, numbered 0..N-1, are one parameter's slices along a new
+first axis, (N, ...): ``...experts.{j}.w1.weight`` (F, D) each -> ``blocks/{i}/moe/gate``
+(E, D, F), each slice rearranged as the rule says. Every number 0..N-1 must be there
+once, N the parameter's first axis; a process reads only its devices' slices (an
+``expert`` mesh axis splits that axis), and export writes the N tensors back.
+
 ``requires``: model settings the file's architecture fixes, each a value or a list of
 the values it allows. ``--init-from`` and export refuse a model whose settings differ
 (``check_requires``): a switch no tensor shows (a sliding window, which the Llama
@@ -39,7 +46,7 @@ from jaxdist.errors import ConfigError
 from jaxdist.weights import rearrange
 
 SHIPPED = Path(__file__).parent / "maps"
-RULE_KEYS = {"from", "to", "rearrange", "sizes", "pad_rows", "first_rows"}
+RULE_KEYS = {"from", "to", "rearrange", "sizes", "pad_rows", "first_rows", "stack"}
 
 
 @dataclass
@@ -50,6 +57,7 @@ class Rule:
     sizes: dict = field(default_factory=dict)  # of the rearrange's axes: int or config name
     pad_rows: int | str | None = None  # the file holds this many rows; the model pads more
     first_rows: bool = False  # the model uses the file's first rows (fewer positions)
+    stack: str = ""  # a field of `source` only: its 0..N-1 tensors are axis 0 of `model`
 
     def __post_init__(self):
         fields = {**_fields(self.model), **_fields(self.source)}  # {x:REGEX} on either side
@@ -57,14 +65,30 @@ class Rule:
         self.groups = rearrange.parse(self.rearrange) if self.rearrange else None
         if self.groups and (self.pad_rows is not None or self.first_rows):
             raise ConfigError(f"map rule {self.source}: rearrange and rows in one rule")
+        if self.stack and (
+            self.stack not in _names(self.source) or self.stack in _names(self.model)
+            or self.pad_rows is not None or self.first_rows
+        ):  # fmt: skip
+            raise ConfigError(
+                f"map rule {self.source}: stack {self.stack!r} must be a field of 'from' "
+                "and not of 'to', in a rule without pad_rows or first_rows"
+            )
 
     def model_name(self, source: str) -> str | None:
         found = self.source_re.fullmatch(source)
         return _fill(self.model, found.groupdict()) if found else None
 
-    def source_name(self, model: str) -> str | None:
+    def stack_index(self, source: str) -> int:
+        """A stacking rule's slice number of one of its tensors (the ``stack`` field)."""
+        return int(self.source_re.fullmatch(source).group(self.stack))
+
+    def source_name(self, model: str, index: int | None = None) -> str | None:
+        """The file's name of ``model`` (of its slice ``index`` under ``stack``)."""
         found = self.model_re.fullmatch(model)
-        return _fill(self.source, found.groupdict()) if found else None
+        if found is None:
+            return None
+        fields = found.groupdict() | ({self.stack: str(index)} if self.stack else {})
+        return _fill(self.source, fields)
 
 
 @dataclass
@@ -162,6 +186,10 @@ FIELD = re.compile(r"\{(\w+)(?::([^{}]+))?\}")
 
 def _fields(template: str) -> dict[str, str]:
     return {m.group(1): m.group(2) for m in FIELD.finditer(template) if m.group(2)}
+
+
+def _names(template: str) -> set[str]:
+    return {m.group(1) for m in FIELD.finditer(template)}
 
 
 def _regex(template: str, fields: dict[str, str]) -> re.Pattern:

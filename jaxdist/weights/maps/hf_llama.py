@@ -1,6 +1,7 @@
 """Hugging Face's config.json <-> the built-in Llama's settings (``--model llama``), for
-the families whose maps ship beside this file: llama, qwen2, qwen3, mistral; and gemma2
-(``--model gemma``, its own keys in ``hf_gemma``).
+the families whose maps ship beside this file: llama, qwen2, qwen3, mistral; mixtral and
+qwen3_moe (``--moe-experts``, their own keys in ``hf_moe``); and gemma2 (``--model
+gemma``, its own keys in ``hf_gemma``).
 
 Both directions go through the family's map (``<family>.yaml``): its ``config_json``
 says which key holds which setting (``hidden_size: ${d_model}``), so
@@ -29,9 +30,9 @@ import re
 from pathlib import Path
 
 from jaxdist.errors import ConfigError
-from jaxdist.weights.maps import hf_gemma
+from jaxdist.weights.maps import hf_gemma, hf_moe
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", *hf_moe.FAMILIES, "gemma2")
 MODEL = {"gemma2": "gemma"}  # a family's built-in model, where it is not --model llama
 SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
          "num_attention_heads")  # fmt: skip
@@ -48,6 +49,7 @@ DEFAULTS = {
               "attention_bias": False, "max_position_embeddings": 32768},
     "mistral": {**_COMMON, "num_key_value_heads": 8, "sliding_window": 4096,
                 "max_position_embeddings": 4096 * 32},
+    **hf_moe.DEFAULTS,
     "gemma2": hf_gemma.DEFAULTS,
 }  # fmt: skip
 # each RoPE type's keys, beside rope_type and rope_theta
@@ -95,13 +97,15 @@ def normalized(config: dict, where: str) -> dict:
     if missing:
         raise ConfigError(f"{where}: no {', '.join(missing)} in config.json")
     out = {**DEFAULTS[family], **config}
+    if family in hf_moe.FAMILIES:
+        out = hf_moe.normalized(out, where)
     heads = out["num_attention_heads"]
     out["head_dim"] = out["head_dim"] or out["hidden_size"] // heads
     out["num_key_value_heads"] = out["num_key_value_heads"] or heads
     out["rope_parameters"] = _rope(out, where)
-    if family in ("qwen2", "qwen3", "mistral"):
+    if family in ("qwen2", "qwen3", "mistral", *hf_moe.FAMILIES):
         out["sliding_window"] = _window(out, family, where)
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         out["use_sliding_window"] = out["sliding_window"] is not None
     if family == "gemma2":
         out = hf_gemma.normalized(out, where)
@@ -136,10 +140,10 @@ def _window(config: dict, family: str, where: str) -> int | None:
     layers = config["num_hidden_layers"]
     window = config.get("sliding_window")
     types = config.get("layer_types")
-    if family != "mistral" and not config["use_sliding_window"]:
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not config["use_sliding_window"]:
         window = None  # transformers ignores the number then
-    if types is None:  # Qwen: sliding from layer max_window_layers on; Mistral: all
-        start = config.get("max_window_layers", 0) if family != "mistral" else 0
+    if types is None:  # Qwen2/3: sliding from layer max_window_layers on; the others: all
+        start = config.get("max_window_layers", 0) if family in ("qwen2", "qwen3") else 0
         sliding = window is not None
         types = ["sliding_attention" if sliding and i >= start else "full_attention"
                  for i in range(layers)]  # fmt: skip
@@ -186,9 +190,10 @@ def _setting(template) -> str | None:
 def _read_setting(name: str, key: str, value) -> dict[str, tuple]:
     """The model settings one config.json value gives."""
     said = f"config.json's {key} {value!r}"
-    gemma = hf_gemma.read_setting(name, said, value)
-    if gemma is not None:
-        return gemma
+    for family in (hf_gemma, hf_moe):
+        own = family.read_setting(name, said, value)
+        if own is not None:
+            return own
     if name == "hf_rope_parameters":
         out = {setting: (default, f"{said} (none)") for setting, default in ROPE_DEFAULTS.items()}
         out["rope_type"] = (value["rope_type"], said)
@@ -222,11 +227,13 @@ def settings(names: dict) -> dict:
         context = max(context, int(rope["factor"] * rope["original_max_position_embeddings"]))
     head_dim = names.get("head_dim") or d_model // heads
     gemma = hf_gemma.settings(names, head_dim) if names.get("name") == "gemma" else {}
+    ffn_dim = names.get("ffn_dim") or 4 * d_model
     return {
         **names,
         "head_dim": head_dim,
         "n_kv_heads": names.get("n_kv_heads") or heads,
-        "ffn_dim": names.get("ffn_dim") or 4 * d_model,
+        "ffn_dim": ffn_dim,
+        **hf_moe.settings(names, ffn_dim),
         "hf_rope_parameters": rope,
         "hf_attention_bias": names.get("attention_bias") == "qkvo",
         "hf_sliding_window": window or None,
