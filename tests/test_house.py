@@ -180,6 +180,9 @@ DISTINCT = {
     ("tokenizer", "tokens"): "a tokenizer (text -> ids), and the token files of ids",
     ("hf_gemma", "hf_llama"): "Hugging Face config.json translations, one per family, "
     "beside the maps (hf_llama: the Llama's keys; hf_gemma: what Gemma 2 adds to them)",
+    ("hf_gemma", "hf_moe"): "Hugging Face config.json translations, one per family (hf_moe: "
+    "what Mixtral and Qwen3-MoE add to the Llama's keys)",
+    ("hf_llama", "hf_moe"): "the same: hf_llama reads every family, hf_moe the experts' keys",
     ("build_data", "build_model"): "the command line builds data and models from config",
     ("config", "config_checks"): "the config, and what each of its values may be",
     ("architecture", "architecture_checks"): "the config's model section, and which of its "

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxdist.models.moe import MoE, MoEAux, capacity
+from jaxdist.models.moe import MoE, capacity
+from jaxdist.models.router_aux import MoEAux
 from jaxdist.models.stack import make_layers
 from moe_reference import LB, B, D, E, F, K, T, Z, choices, reference, reference_run
 

@@ -17,8 +17,8 @@ from jaxdist.models.gemma import Gemma
 from jaxdist.models.gpt import GPT
 from jaxdist.models.llama import Llama
 from jaxdist.models.mlp import MLP
-from jaxdist.models.moe import MoE
+from jaxdist.models.moe import MoE, MoESettings
 from jaxdist.models.stack import Stack
 
-__all__ = ["GPT", "MLP", "Gemma", "Llama", "MoE", "Stack", "as_nnx", "attention",
-           "fp8_dot_general"]  # fmt: skip
+__all__ = ["GPT", "MLP", "Gemma", "Llama", "MoE", "MoESettings", "Stack", "as_nnx",
+           "attention", "fp8_dot_general"]  # fmt: skip

@@ -35,8 +35,9 @@ from flax.nnx.nn.linear import default_embed_init, default_kernel_init
 from jaxdist.models import kv_cache, stack
 from jaxdist.models.attention import attention as split_attention
 from jaxdist.models.gpt import padded_vocab
-from jaxdist.models.moe import MoEAux, MoESettings, Routed
+from jaxdist.models.moe import MoESettings
 from jaxdist.models.rope import Rope
+from jaxdist.models.router_aux import MoEAux, Routed
 from jaxdist.models.stack import check_remat
 
 BIASES = ("none", "qkv", "qkvo")

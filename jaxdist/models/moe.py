@@ -60,44 +60,16 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_kernel_init
 
 from jaxdist.models import expert_parallel
+from jaxdist.models.router_aux import MoEAux, aux_outputs
 
 ROUTERS = ("softmax", "sigmoid")
 # (E, in, out) kernels: lecun normal over `in` per expert (axis 0 a batch axis, not fan-in)
 _EXPERT_INIT = initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-
-
-@struct.dataclass
-class MoEAux:
-    """What one MoE call reports besides its output, per row (a pytree: jit, scan and
-    the pipelines carry it)."""
-
-    load_balance_loss: jax.Array  # (B,) float32
-    z_loss: jax.Array  # (B,) float32
-    expert_share: jax.Array  # (B, E) float32, each row sums to 1
-    dropped: jax.Array  # (B,) float32: pairs dropped (a count)
-
-    @classmethod
-    def zeros(cls, rows: int, n_experts: int) -> MoEAux:
-        zero = jnp.zeros((rows,), jnp.float32)
-        return cls(zero, zero, jnp.zeros((rows, n_experts), jnp.float32), zero)
-
-    def __add__(self, other: MoEAux) -> MoEAux:
-        return jax.tree.map(jnp.add, self, other)
-
-
-@struct.dataclass
-class Routed:
-    """What an MoE model's blocks pass each other: the activations and the aux summed
-    over the MoE layers so far (``MoEAux``, per row). One pytree, split by rows, so every
-    runner of a ``Stack`` (scan, pipeline stages, micro-batches) carries both."""
-
-    x: jax.Array  # (B, T, D)
-    aux: MoEAux
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +99,10 @@ class MoESettings:
     def loss_terms(self, aux: MoEAux, layers: int) -> tuple[jax.Array, dict]:
         """(what the training loss adds, the metrics) from ``aux`` summed over ``layers``
         MoE layers: each loss the mean over rows and layers (so per sequence and layer),
-        the experts' shares of routed pairs pooled over layers, their min and max."""
+        each expert's share of the routed pairs pooled over layers (``moe/share/e``: a
+        mean over rows, the same however the rows are split), and their min and max (of
+        the rows one replica sees, where a strategy averages metrics over replicas:
+        shard_map, gspmd with stages, fsdp or grad-accum)."""
         balance = jnp.mean(aux.load_balance_loss) / layers
         z = jnp.mean(aux.z_loss) / layers
         share = jnp.mean(aux.expert_share, axis=0) / layers  # (E,), sums to 1
@@ -137,6 +112,7 @@ class MoESettings:
             "moe/share_min": jnp.min(share),
             "moe/share_max": jnp.max(share),
             "moe/dropped_per_row": jnp.mean(aux.dropped),  # pairs, all layers together
+            **{f"moe/share/{e}": share[e] for e in range(self.n_experts)},
         }
         return self.balance_coef * balance + self.z_coef * z, metrics
 
@@ -290,19 +266,3 @@ def route(logits: jax.Array, top_k: int, router: str, norm_topk: bool, route_sca
     if norm_topk:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return weights * route_scale, experts.astype(jnp.int32), probs
-
-
-def aux_outputs(logits, probs, experts, dropped) -> MoEAux:
-    """The ``MoEAux`` of one call, per row: logits and probs (B, T, E), experts (B, T, k),
-    dropped (B,)."""
-    b, _, n_experts = logits.shape
-    onehot = jax.nn.one_hot(experts.reshape(b, -1), n_experts, dtype=jnp.float32)
-    share = jnp.mean(onehot, axis=1)  # (B, E): of the row's T*k pairs
-    mean_prob = jnp.mean(probs, axis=1)  # (B, E)
-    lse = jax.nn.logsumexp(logits, axis=-1)  # (B, T)
-    return MoEAux(
-        load_balance_loss=n_experts * jnp.sum(share * mean_prob, axis=-1),
-        z_loss=jnp.mean(jnp.square(lse), axis=-1),
-        expert_share=share,
-        dropped=dropped,
-    )

@@ -18,7 +18,7 @@ def check(model, mesh: str) -> None:
 
 def check_moe(model) -> None:
     """``--moe-*``: experts for the Llama only; the other MoE flags only with experts."""
-    from jaxdist.train.build_model import MOE_FLAGS
+    from jaxdist.train.own_flags import MOE_FLAGS
 
     given = [f"--{k.replace('_', '-')} {getattr(model, k)}" for k, v in MOE_FLAGS.items()
              if k != "moe_experts" and getattr(model, k) != v]  # fmt: skip

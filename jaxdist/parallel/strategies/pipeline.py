@@ -38,8 +38,16 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.errors import ConfigError, ModelError
 from jaxdist.models.stack import scan_layers
 from jaxdist.parallel.step import split_microbatches
+from jaxdist.parallel.strategies.stage_values import (
+    STAGE,
+    from_stage,
+    index_tree,
+    join_microbatches,
+    put_where,
+    varying_over_stage,
+    where_tree,
+)
 
-STAGE = "stage"
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 # At most this many microbatches per stage: GPipe (Huang et al., 2019) finds the bubble
 # negligible from M >= 4 S on, and more only shrinks each microbatch's matmuls. It was the
@@ -107,36 +115,6 @@ def forward_pairs(stages: int) -> list[tuple[int, int]]:
     return [(s, s + 1) for s in range(stages - 1)]  # stage s sends to s + 1
 
 
-# The activations a stack passes between layers may be a pytree of (B, ...) leaves (an
-# MoE model's ``Routed``: (B, T, D) and per-row aux); the schedules move them leaf by leaf.
-
-
-def put_where(buffer, index, value, condition):
-    """``buffer[index] = value`` where ``condition``; one slot read and written, not a
-    select over the whole (M, ...) buffer."""
-
-    def put(buffer, value):
-        old = lax.dynamic_index_in_dim(buffer, index, keepdims=False)
-        return lax.dynamic_update_index_in_dim(buffer, jnp.where(condition, value, old), index, 0)
-
-    return jax.tree.map(put, buffer, value)
-
-
-def index_tree(tree, index):
-    """``tree[index]`` of every (M, ...) leaf."""
-    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
-
-
-def where_tree(condition, a, b):
-    return jax.tree.map(lambda x, y: jnp.where(condition, x, y), a, b)
-
-
-def from_stage(source: int, tree):
-    """Every stage gets stage ``source``'s ``tree``."""
-    stage = lax.axis_index(STAGE)
-    return lax.psum(jax.tree.map(lambda a: jnp.where(stage == source, a, 0), tree), STAGE)
-
-
 def on_stages(per_stage, mesh: Mesh, in_specs, out_specs):
     """``per_stage`` as a function of global arrays, manual over ``stage`` only. Inside
     another shard_map (over the batch axes) the mesh is the one it left: the context's,
@@ -193,19 +171,6 @@ def microbatch_streams(stacked, index):
         return variable.replace(jax.vmap(lambda k: jax.random.fold_in(k, index))(keys))
 
     return jax.tree.map(fold, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def varying_over_stage(x):
-    """``x`` typed as differing across stages (as the scan's carry becomes once stages
-    send to each other): ``lax.pcast`` in this JAX, ``lax.pvary`` in older ones."""
-    if hasattr(lax, "pcast"):
-        return jax.tree.map(lambda a: lax.pcast(a, STAGE, to="varying"), x)
-    return jax.tree.map(lambda a: lax.pvary(a, STAGE), x)
-
-
-def join_microbatches(x):
-    """(M, B/M, ...) -> (B, ...) of every leaf: the inverse of ``split_microbatches``."""
-    return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[2:]), x)
 
 
 @dataclasses.dataclass(frozen=True)
