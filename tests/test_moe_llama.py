@@ -167,8 +167,9 @@ def test_dense_first_layers_and_generation_through_the_cache():
         (dict(expert=4, data=2), False, {}),
         (dict(expert=2, fsdp=2, model=2), False, {}),
         (dict(expert=4, data=2), False, dict(strategy="shard_map")),
+        (dict(seq=2, expert=2, data=2), False, {}),  # the sequence split as well (ring)
     ],
-    ids=["expert4-data2", "expert2-fsdp2-model2", "shard_map-expert4"],
+    ids=["expert4-data2", "expert2-fsdp2-model2", "shard_map-expert4", "seq2-expert2-data2"],
 )
 def test_expert_parallel_layouts_equal_the_equations(reference, mesh, scan, options):
     """Each device holds E/N experts and tokens travel to them by all-to-all: the same
