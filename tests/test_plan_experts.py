@@ -23,6 +23,9 @@ def test_expert_layouts_only_for_a_model_with_experts():
     with_experts = cands.meshes(target, n_experts=4)
     sizes = {layout.expert for layout in with_experts}
     assert sizes == {1, 2, 4}  # the divisors of E = 4 that fit a node of 8
+    # never with stages: the command refuses expert with stage
+    assert not [x for x in with_experts if x.expert > 1 and x.stage > 1]
+    assert any(x.stage > 1 for x in with_experts)
     one = next(x for x in with_experts if (x.expert, x.data, x.model) == (4, 2, 1))
     assert one.mesh == "data=2,expert=4" and cands.accum_options(one, 16) == [1, 2]
     assert cands.meshes(target, {"data": 8}, n_experts=4) == [cands.Layout(8, 1, 1, 1)]

@@ -76,7 +76,8 @@ def meshes(
     only with ``seq_len`` (the GPT's T, which it must divide), no stages (refused with
     them), and no ``fixed`` mesh or one naming seq. ``fixed`` (the user's ``--mesh``)
     keeps only the layouts it names, and a ``model`` or ``seq`` it names may span nodes.
-    ``expert`` only with ``n_experts`` (the model's E, which it must divide), inside
+    ``expert`` only with ``n_experts`` (the model's E, which it must divide), no stages
+    (refused with them, as seq), inside
     what ``model`` x ``seq`` leave of a node: its two all-to-alls per MoE block (and two
     more backwards) carry every routed token's rows."""
     total, per_node = target.num_devices, target.devices_per_node
@@ -86,7 +87,8 @@ def meshes(
         for seq in _seq_sizes(total if fixed else per_node, model, fixed, seq_len):
             for stage in divisors(total // (model * seq)) if seq == 1 else [1]:
                 rest = total // (model * seq * stage)
-                for expert in _expert_sizes(per_node // (model * seq), rest, fixed, n_experts):
+                experts = _expert_sizes(per_node // (model * seq), rest, fixed, n_experts)
+                for expert in experts if stage == 1 else [1]:  # refused with stages
                     for fsdp in divisors(rest // expert):
                         data = rest // (expert * fsdp)
                         layout = Layout(data, fsdp, model, stage, seq=seq, expert=expert)
