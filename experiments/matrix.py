@@ -130,6 +130,9 @@ def run(
 
 
 IN_PROCESS = False  # tests/test_matrix.py sets it (its process already has 8 CPU devices)
+# The in-process runs' compilation cache: none (--in-process: every cell compiles its own);
+# tests/test_matrix.py's runs use its session's (a resume loads its first run's programs)
+IN_PROCESS_CACHE = ["--compile-cache", "off"]
 
 
 def _subprocess(args: list[str], processes: int, env: dict) -> tuple[int, str]:
@@ -157,7 +160,7 @@ def _in_process(args: list[str], env: dict) -> tuple[int, str]:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return main([*args, "--compile-cache", "off"]), ""
+        return main([*args, *IN_PROCESS_CACHE]), ""
     finally:
         for k, v in saved.items():
             if v is None:

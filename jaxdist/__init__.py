@@ -27,33 +27,30 @@ The command line (``python -m jaxdist.train``) is ``jaxdist.train``; importing `
 does not import it, nor the trainer's distributed health (``jaxdist.health``).
 """
 
-from jaxdist import flops, sinks
-from jaxdist.cluster import (
-    ProcessInfo,
-    barrier,
-    cpu_backend,
-    initialize,
-    is_main_process,
-    print_main,
-)
-from jaxdist.data import DistributedSampler, EvalSampler
-from jaxdist.errors import ConfigError, JaxdistError, ModelError
-from jaxdist.launch import SpawnError, spawn
-from jaxdist.models import as_nnx, attention, fp8_dot_general
-from jaxdist.parallel import (
-    BadBatchError,
-    DataParallel,
-    NonFiniteError,
-    PackedState,
-    Parallel,
-    TrainState,
-    make_mesh,
-    mean_over_replicas,
-    replica_index,
-    shard_batch,
-    step_key,
-    sum_over_replicas,
-)
+import importlib
+
+from jaxdist.cluster import cpu_backend
+
+# The public names and the module each comes from, imported on first use (PEP 562): a
+# command that needs no JAX, the launcher's (``python -m jaxdist.launch``, which imports
+# jaxdist.launch and jaxdist.cluster's plain modules), starts without importing JAX and
+# Flax: 2 s of CPU at each start of a process group on a 2-core machine.
+_GROUPS = {
+    "jaxdist.cluster": "ProcessInfo barrier initialize is_main_process print_main",
+    "jaxdist.data": "DistributedSampler EvalSampler",
+    "jaxdist.errors": "ConfigError JaxdistError ModelError",
+    "jaxdist.launch": "SpawnError spawn",
+    "jaxdist.models": "as_nnx attention fp8_dot_general",
+    "jaxdist.parallel": "BadBatchError DataParallel NonFiniteError PackedState Parallel "
+    "TrainState make_mesh mean_over_replicas replica_index shard_batch step_key "
+    "sum_over_replicas",
+}
+_FROM = {name: module for module, names in _GROUPS.items() for name in names.split()}
+# Subpackages and modules reached as attributes (``jaxdist.sinks.Sinks``, ``jaxdist.plan``:
+# the planner, a command built on the trainer).
+_MODULES = {"flops", "sinks", "plan", "checkpoint", "cluster", "data", "evaluate", "export"}
+_MODULES |= {"generate", "health", "launch", "losses", "models", "parallel", "report", "train"}
+_MODULES |= {"units", "weights", "errors"}
 
 __version__ = "0.1.0"
 
@@ -94,10 +91,17 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``jaxdist.plan(...)``: the planner, loaded on first use (a command built on the
-    trainer, jaxdist.plan; ``import jaxdist`` loads neither)."""
-    if name == "plan":
-        import importlib
+    """A public name (``jaxdist.DataParallel``) or a subpackage (``jaxdist.sinks``), loaded on
+    first use and kept."""
+    if name in _FROM:
+        value = getattr(importlib.import_module(_FROM[name]), name)
+    elif name in _MODULES:
+        value = importlib.import_module(f"jaxdist.{name}")
+    else:
+        raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-        return importlib.import_module("jaxdist.plan")
-    raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

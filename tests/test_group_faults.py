@@ -24,12 +24,15 @@ from group_helpers import MLP, PATIENCE_S
 from helpers import failures_of
 
 
-def train(run_dir: Path, steps: int, *extra: str) -> list[str]:
+def train(run_dir: Path, steps: int, *extra: str, cache: Path | None = None) -> list[str]:
+    """The command; ``cache``: an XLA compilation cache that the test's later groups (its
+    restarts, its next attempts) load the first one's programs from (3 s of a group's
+    start on 2 cores), on a file system no fault touches."""
     return [
         "--nproc", "2", "--cpu-devices-per-proc", "2", *extra, "--",
         sys.executable, "-m", "jaxdist.train", *MLP, "--steps", str(steps), "--log-every", "1",
         "--global-batch-size", "16", "--checkpoint-every", "10", "--run-dir", str(run_dir),
-        "--heartbeat-timeout", "30",
+        "--heartbeat-timeout", "30", *(["--compile-cache", str(cache)] if cache else []),
     ]  # fmt: skip
 
 
@@ -50,7 +53,7 @@ def test_a_killed_process_is_named_and_recorded_every_time_and_the_group_resumes
 ):
     for attempt in range(3):
         run_dir = tmp_path / f"run{attempt}"
-        run = launcher(*train(run_dir, 60, "--max-restarts", "1"))
+        run = launcher(*train(run_dir, 60, "--max-restarts", "1", cache=tmp_path / "xla"))
         saved = run_dir / "checkpoints" / "10"  # a checkpoint to resume from, complete
         run.wait_for(lambda d=run_dir, s=saved: s.is_dir() and len(logged_steps(d)) >= 14,
                      PATIENCE_S, "step 10's checkpoint and 14 steps")  # fmt: skip
@@ -77,7 +80,7 @@ def test_sigterm_to_the_launcher_and_every_rank_at_once_saves_and_resumes(tmp_pa
     """systemd's KillMode=control-group: each rank gets its own SIGTERM and the launcher's
     forward of it; the two are one request."""
     run_dir = tmp_path / "run"
-    run = launcher(*train(run_dir, 200, "--grace", "30"))
+    run = launcher(*train(run_dir, 200, "--grace", "30", cache=tmp_path / "xla"))
     run.wait_for(lambda: len(logged_steps(run_dir)) >= 5, PATIENCE_S, "5 logged steps")
     for pid in [run.proc.pid, *run.ranks().values()]:  # one kill, the whole group
         os.kill(pid, signal.SIGTERM)
@@ -89,7 +92,7 @@ def test_sigterm_to_the_launcher_and_every_rank_at_once_saves_and_resumes(tmp_pa
     assert newest_checkpoint(run_dir) == stop and logged_steps(run_dir)[-1] == stop
     assert "the newest checkpoint: step" not in text or f"step {stop}" in text
     (tmp_path / "launch.log").rename(tmp_path / "stopped.log")
-    again = launcher(*train(run_dir, stop + 6))
+    again = launcher(*train(run_dir, stop + 6, cache=tmp_path / "xla"))
     assert again.proc.wait(timeout=PATIENCE_S) == 0, again.text()[-3000:]
     assert f"resumed from the checkpoint of step {stop}" in again.text()
     assert logged_steps(run_dir) == list(range(1, stop + 7))  # none repeated, none lost

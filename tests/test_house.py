@@ -114,11 +114,21 @@ def test_the_trainer_does_not_import_the_commands_built_on_it():
 
 
 def test_import_jaxdist_loads_neither_the_command_line_nor_health():
-    code = "import sys, jaxdist; print('\\n'.join(sorted(sys.modules)))"
+    """``import jaxdist`` and every public name of it (each loaded on first use)."""
+    code = "import sys, jaxdist; [getattr(jaxdist, n) for n in jaxdist.__all__]\n"
+    code += "print('\\n'.join(sorted(sys.modules)))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = [m for m in proc.stdout.split() if m.startswith("jaxdist")]
     assert "jaxdist.parallel" in loaded  # the check sees jaxdist's own modules
     assert not [m for m in loaded if in_train(m) or m.split(".")[:2] == ["jaxdist", "health"]]
+
+
+def test_the_launcher_starts_without_importing_jax():
+    """``python -m jaxdist.launch`` starts a group's processes without JAX of its own (2 s
+    of CPU a start, on a 2-core machine); ``import jaxdist`` alone does not load it either."""
+    code = "import sys, jaxdist, jaxdist.launch.launcher; print('jax' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.split() == ["False"], proc.stdout
 
 
 def test_subsystems_get_their_config_section_not_the_whole_config():

@@ -9,14 +9,15 @@ and named, ``preemption.py`` for SIGUSR1/SIGTERM, ``failures.py`` for the
 exit codes and ``failures.jsonl``, ``shutdown.py`` for the exit paths themselves.
 """
 
+import importlib
+
 from jaxdist.cluster.environment import ClusterSpec, resolve
-from jaxdist.cluster.preemption import Preempted, StopFlag
-from jaxdist.cluster.process_group import (
-    ProcessInfo,
-    barrier,
-    initialize,
-    is_main_process,
-    print_main,
+
+# Imported on first use: preemption and process_group import JAX, which the launcher's
+# modules of this package (failures, service, leaving, environment) do not need.
+_FROM = {"Preempted": "preemption", "StopFlag": "preemption"}
+_FROM |= dict.fromkeys(
+    ["ProcessInfo", "barrier", "initialize", "is_main_process", "print_main"], "process_group"
 )
 
 __all__ = [
@@ -30,3 +31,11 @@ __all__ = [
     "print_main",
     "resolve",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _FROM:
+        raise AttributeError(f"module 'jaxdist.cluster' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"jaxdist.cluster.{_FROM[name]}"), name)
+    globals()[name] = value
+    return value
