@@ -166,7 +166,12 @@ def next_token_eval(model, batch):
     # Byte-level text: every target below EOT (256) is one byte of text; specials (end of
     # document) cost bits but are not bytes. Bits per byte = all bits / bytes.
     is_byte = (tokens[:, 1:] < EOT).astype(jnp.float32)
-    return {"loss": nats.mean(-1), "nats": nats.sum(-1), "bytes": is_byte.sum(-1)}
+    keep = kept_targets(tokens[:, :-1], getattr(model, "document_eos", None))
+    if keep is None:
+        return {"loss": nats.mean(-1), "nats": nats.sum(-1), "bytes": is_byte.sum(-1)}
+    nats, is_byte = nats * keep, is_byte * keep  # --document-mask: the targets kept
+    loss = nats.sum(-1) / jnp.maximum(keep.sum(-1), 1.0)
+    return {"loss": loss, "nats": nats.sum(-1), "bytes": is_byte.sum(-1)}
 
 
 def default_eval(task: str, inputs: str = "x", labels: str = "y"):

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxdist
 from jaxdist.errors import ConfigError
-from jaxdist.losses import make_fused_next_token_loss, next_token_loss
+from jaxdist.losses import make_fused_next_token_loss, next_token_eval, next_token_loss
 from jaxdist.models.attention import attention
 from jaxdist.models.documents import document_positions, segment_ids
 from jaxdist.models.gpt import GPT
@@ -129,6 +129,9 @@ def test_the_loss_skips_the_targets_after_an_eos_and_the_fused_loss_agrees():
     nats = optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:])
     keep = np.asarray(rows[:, :-1]) != EOS
     np.testing.assert_allclose(loss, np.asarray(nats)[keep].mean(), rtol=1e-6)
+    per_row = next_token_eval(model, batch)["loss"]  # the eval keeps the same targets
+    want = [np.asarray(nats)[r][keep[r]].mean() for r in range(2)]
+    np.testing.assert_allclose(per_row, want, rtol=1e-6)
     fused = make_fused_next_token_loss(4)
     np.testing.assert_allclose(fused(model, batch)[0], loss, rtol=1e-5)
     g = jax.grad(lambda m: next_token_loss(m, batch)[0])(model)
