@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxdist.data.text import EOT
+from jaxdist.models.documents import kept_targets
 
 
 def make_classification_loss(inputs: str = "x", labels: str = "y"):
@@ -35,8 +36,13 @@ classification_loss = make_classification_loss()
 def next_token_loss(model, batch):
     tokens = batch["tokens"]  # (B, T + 1): inputs tokens[:, :-1], targets tokens[:, 1:]
     logits = model(tokens[:, :-1]).astype(jnp.float32)  # (B, T, vocab)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-    return with_auxiliary(model, loss)
+    nats = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])  # (B, T)
+    # --document-mask: no target after an EOS (it begins the next document; the mean is
+    # over the positions kept: jaxdist.models.documents)
+    keep = kept_targets(tokens[:, :-1], getattr(model, "document_eos", None))
+    if keep is None:
+        return with_auxiliary(model, nats.mean())
+    return with_auxiliary(model, (nats * keep).sum() / jnp.maximum(keep.sum(), 1.0))
 
 
 def with_auxiliary(model, loss):
@@ -66,7 +72,10 @@ def make_fused_next_token_loss(chunks: int):
         head = getattr(model, "lm_head", None) or model.tok
         table = head.embedding[...].astype(head.dtype or h.dtype)  # (rows, D)
         softcap = getattr(model, "final_softcap", 0.0)  # Gemma's logits, c tanh(s / c)
-        loss = fused_cross_entropy(h, table, tokens[:, 1:], chunks, model.vocab_size, softcap)
+        labels = tokens[:, 1:]  # --document-mask: -1 (no target) after each EOS
+        keep = kept_targets(tokens[:, :-1], getattr(model, "document_eos", None))
+        labels = labels if keep is None else jnp.where(keep > 0, labels, -1)
+        loss = fused_cross_entropy(h, table, labels, chunks, model.vocab_size, softcap)
         return with_auxiliary(model, loss)
 
     return fused_next_token_loss
@@ -76,7 +85,8 @@ def make_fused_next_token_loss(chunks: int):
 def fused_cross_entropy(h, table, labels, chunks: int, vocab: int, softcap: float = 0.0):
     """Mean over (B, T) of the cross-entropy of ``h @ table.T`` (its first ``vocab``
     columns; soft-capped, c tanh(s / c), where ``softcap`` c > 0) against ``labels``;
-    h (B, T, D), table (rows, D), labels (B, T) int."""
+    h (B, T, D), table (rows, D), labels (B, T) int; a label < 0 is no target (the mean
+    is over the others)."""
     return _fused_loss_and_grads(h, table, labels, chunks, vocab, softcap)[0]
 
 
@@ -84,12 +94,15 @@ def _fused_loss_and_grads(h, table, labels, chunks: int, vocab: int, softcap: fl
     """The loss and its gradients with respect to h and table, ``chunks`` slices of T
     at a time (the batch axis, which data parallelism splits, stays whole in each)."""
     b, t, d = h.shape
-    rows, n = table.shape[0], b * t
+    rows = table.shape[0]
+    n = jnp.maximum((labels >= 0).sum(), 1).astype(jnp.float32)  # the targets kept
     h_chunks = h.reshape(b, chunks, t // chunks, d).swapaxes(0, 1)  # (C, B, T/C, D)
     label_chunks = labels.reshape(b, chunks, t // chunks).swapaxes(0, 1)  # (C, B, T/C)
 
     def chunk(d_table, xs):
         h_c, labels_c = xs
+        kept = (labels_c >= 0).astype(jnp.float32)
+        labels_c = jnp.maximum(labels_c, 0)
         logits = jnp.einsum("btd,vd->btv", h_c, table, preferred_element_type=jnp.float32)
         logits = logits[..., :vocab]  # (B, T/C, vocab), float32
         if softcap:
@@ -99,12 +112,13 @@ def _fused_loss_and_grads(h, table, labels, chunks: int, vocab: int, softcap: fl
         # d(mean loss)/d(logits) = (softmax - one_hot) / n, in the compute dtype as the
         # unfused path's logits gradient is; padded rows of the table get none
         grad = (jnp.exp(logits - lse[..., None]) - jax.nn.one_hot(labels_c, vocab)) / n
+        grad = grad * kept[..., None]
         if softcap:  # through c tanh(s / c): times 1 - tanh^2
             grad = grad * (1.0 - jnp.square(logits / softcap))
         grad = jnp.pad(grad.astype(h.dtype), ((0, 0), (0, 0), (0, rows - vocab)))
         d_h = jnp.einsum("btv,vd->btd", grad, table)
         d_table += jnp.einsum("btv,btd->vd", grad, h_c, preferred_element_type=jnp.float32)
-        return d_table, ((lse - picked).sum(), d_h)
+        return d_table, (((lse - picked) * kept).sum(), d_h)
 
     d_table = jnp.zeros(table.shape, jnp.float32)
     d_table, (nats, d_h) = jax.lax.scan(chunk, d_table, (h_chunks, label_chunks))
@@ -152,7 +166,12 @@ def next_token_eval(model, batch):
     # Byte-level text: every target below EOT (256) is one byte of text; specials (end of
     # document) cost bits but are not bytes. Bits per byte = all bits / bytes.
     is_byte = (tokens[:, 1:] < EOT).astype(jnp.float32)
-    return {"loss": nats.mean(-1), "nats": nats.sum(-1), "bytes": is_byte.sum(-1)}
+    keep = kept_targets(tokens[:, :-1], getattr(model, "document_eos", None))
+    if keep is None:
+        return {"loss": nats.mean(-1), "nats": nats.sum(-1), "bytes": is_byte.sum(-1)}
+    nats, is_byte = nats * keep, is_byte * keep  # --document-mask: the targets kept
+    loss = nats.sum(-1) / jnp.maximum(keep.sum(-1), 1.0)
+    return {"loss": loss, "nats": nats.sum(-1), "bytes": is_byte.sum(-1)}
 
 
 def default_eval(task: str, inputs: str = "x", labels: str = "y"):

@@ -44,6 +44,15 @@ any other axes stay with the compiler. Three ways (``seq_attention``):
   stops after ceil((W - 1) / (T/S)) hops). Key/value blocks travel with their K heads;
   each hop repeats them to H for its arithmetic.
 
+``segment_ids`` (B, T) int (``--document-mask``, ``jaxdist.models.documents``): a query
+attends only to keys of its own segment as well. Unsplit and under all-to-all it is an
+explicit (B, 1, T, T) boolean mask ANDed with the causal one and the window, on XLA's
+path: ``jax.nn.dot_product_attention``'s cuDNN path takes no segment ids here (only
+padding lengths), so ``implementation="cudnn"`` with them is a ``ConfigError``.
+Under all-to-all each device all-gathers the ids over seq; under gather they are
+gathered with the keys; round the ring they travel with their key/value block (and
+the balanced ring reorders them into the zig-zag order with the positions).
+
 T must divide by S (a ``ConfigError`` names both). In the ring and gather paths the
 arithmetic is XLA's (float32 logits and softmax statistics, as
 ``jax.nn.dot_product_attention``'s XLA path): a fused kernel (``implementation="cudnn"``)
@@ -71,25 +80,33 @@ WAYS = ("ring", "gather", "all-to-all")
 
 
 def attention(q, k, v, *, causal: bool = True, seq_attention: str = "ring",
-              implementation=None, window: int = 0):  # fmt: skip
+              implementation=None, window: int = 0, segment_ids=None):  # fmt: skip
     """Softmax attention of q (B, T, H, Dh) over k, v (B, T, K, Dh) -> (B, T, H, Dh),
-    split over the ambient mesh's ``seq`` axis when it has one (see the module)."""
+    split over the ambient mesh's ``seq`` axis when it has one (see the module);
+    ``segment_ids`` (B, T) int: within each segment only (None: across all)."""
     if seq_attention not in WAYS:
         raise ConfigError(f"seq_attention: {seq_attention!r} is not one of {', '.join(WAYS)}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"attention: {k.shape[2]} key/value heads do not divide {q.shape[2]}")
     if window and not causal:
         raise ValueError(f"attention: a window ({window}) of earlier positions is causal only")
+    if segment_ids is not None and implementation == "cudnn":
+        raise ConfigError(
+            "--document-mask with --attention cudnn: jax.nn.dot_product_attention's cuDNN "
+            "path takes no segment ids; use --attention xla (or auto)"
+        )
     whole = functools.partial(  # attention over whole sequences: jax's own
-        jax.nn.dot_product_attention, is_causal=causal, implementation=implementation,
-        local_window_size=(window - 1, 0) if window else None,
+        _whole, causal=causal, window=window,
+        implementation="xla" if segment_ids is not None else implementation,
     )  # fmt: skip
     mesh = jax.sharding.get_abstract_mesh()
     seq = 1 if mesh.empty else dict(mesh.shape).get(SEQ, 1)
     if seq == 1:
-        return whole(q, k, v)
+        return whole(q, k, v, segment_ids)
     if seq_attention == "all-to-all":
-        return over_heads(whole, q, k, v)
+        if segment_ids is None:
+            return over_heads(whole, q, k, v)
+        return over_heads(whole, q, k, v, segments=segment_ids)
     t = q.shape[1]
     if seq_attention == "ring" and causal and not window and t % seq == 0 and t // seq % 2:
         raise ConfigError(
@@ -98,10 +115,25 @@ def attention(q, k, v, *, causal: bool = True, seq_attention: str = "ring",
             f"divisible by {2 * seq}, or --seq-attention gather or all-to-all"
         )
     way = ring if seq_attention == "ring" else _gather_local
-    return _per_device(functools.partial(way, causal=causal, window=window), mesh, q, k, v)
+    way = functools.partial(way, causal=causal, window=window)
+    return _per_device(way, mesh, q, k, v, segments=segment_ids)
 
 
-def over_heads(attend, q, k, v, *args):
+def _whole(q, k, v, segments=None, *, causal: bool, window: int, implementation):
+    """``jax.nn.dot_product_attention`` over whole sequences, within segments if given."""
+    mask = None if segments is None else same_segment(segments, segments)
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=causal, implementation=implementation,
+        local_window_size=(window - 1, 0) if window else None,
+    )  # fmt: skip
+
+
+def same_segment(q_segments, k_segments):
+    """(B, Tq), (B, Tk) int -> (B, 1, Tq, Tk) bool: where query and key share a segment."""
+    return (q_segments[:, :, None] == k_segments[:, None, :])[:, None]
+
+
+def over_heads(attend, q, k, v, *args, segments=None):
     """``attend(q, k, v, *args)``, attention over whole sequences (q (B, T, H, Dh), k, v
     (B, T, K, Dh) -> (B, T, H, Dh)), run under the ambient mesh's ``seq`` axis as the
     all-to-all way does: each device attends H/S heads over all T positions. Without a
@@ -109,26 +141,35 @@ def over_heads(attend, q, k, v, *args):
     soft-capped logits) splits over seq with it; ``args`` reach ``attend`` whole."""
     mesh = jax.sharding.get_abstract_mesh()
     seq = 1 if mesh.empty else dict(mesh.shape).get(SEQ, 1)
+    seg = () if segments is None else (segments,)
     if seq == 1:
-        return attend(q, k, v, *args)
+        return attend(q, k, v, *args, *seg)
     _check_heads_split(k.shape[2], seq)
 
     def to_heads(x):  # (B, T/S, H, Dh) -> (B, T, H/S, Dh): heads out, positions in
         return lax.all_to_all(x, SEQ, split_axis=2, concat_axis=1, tiled=True)
 
-    def local(q, k, v, *args):
-        out = attend(to_heads(q), to_heads(k), to_heads(v), *args)  # (B, T, H/S, Dh)
+    def local(q, k, v, *args, segments=None):
+        seg = () if segments is None else (lax.all_gather(segments, SEQ, axis=1, tiled=True),)
+        out = attend(to_heads(q), to_heads(k), to_heads(v), *args, *seg)  # (B, T, H/S, Dh)
         return lax.all_to_all(out, SEQ, split_axis=1, concat_axis=2, tiled=True)
 
-    return _per_device(local, mesh, q, k, v, *args)
+    return _per_device(local, mesh, q, k, v, *args, segments=segments)
 
 
-def _per_device(local, mesh, q, k, v, *args):
+def _per_device(local, mesh, q, k, v, *args, segments=None):
     """``local(q, k, v, *args)`` on each device's T/S positions, inside a ``shard_map``
-    manual over seq only (``args`` whole on every device)."""
+    manual over seq only (``args`` whole on every device); ``segments`` (B, T), split
+    as q is, reach ``local`` as its keyword ``segments`` (where given)."""
     seq = dict(mesh.shape)[SEQ]
+    if segments is not None:  # split over seq as the positions: one more input
+        run = _per_device(
+            lambda q, k, v, seg, *a: local(q, k, v, *a, segments=seg), mesh, q, k, v,
+            _Split(segments), *args,
+        )  # fmt: skip
+        return run
     if SEQ in mesh.manual_axes:  # already per device (a user's shard_map over seq)
-        return local(q, k, v, *args)
+        return local(q, k, v, *(a.value if isinstance(a, _Split) else a for a in args))
     t = q.shape[1]
     if t % seq:
         raise ConfigError(
@@ -136,11 +177,19 @@ def _per_device(local, mesh, q, k, v, *args):
             f"{seq} equal blocks; use a sequence length divisible by {seq}"
         )
     spec = P(None, SEQ)  # (B, T, H, Dh): T over seq; the rest left to the compiler
+    specs = [spec if isinstance(a, _Split) else P() for a in args]
     run = jax.shard_map(
-        local, mesh=mesh, in_specs=(spec, spec, spec, *[P()] * len(args)), out_specs=spec,
+        local, mesh=mesh, in_specs=(spec, spec, spec, *specs), out_specs=spec,
         axis_names={SEQ},
     )  # fmt: skip
-    return run(q, k, v, *args)
+    return run(q, k, v, *(a.value if isinstance(a, _Split) else a for a in args))
+
+
+class _Split:
+    """An argument of ``_per_device`` split over seq as q is (a (B, T) array)."""
+
+    def __init__(self, value):
+        self.value = value
 
 
 def _check_heads_split(kv_heads: int, seq: int) -> None:
@@ -152,8 +201,9 @@ def _check_heads_split(kv_heads: int, seq: int) -> None:
         )
 
 
-def _gather_local(q, k, v, *, causal: bool, window: int = 0):
-    """One device's T/S queries against all T keys, gathered over seq."""
+def _gather_local(q, k, v, segments=None, *, causal: bool, window: int = 0):
+    """One device's T/S queries against all T keys, gathered over seq (with their
+    segment ids, where given)."""
     k_all = lax.all_gather(k, SEQ, axis=1, tiled=True)  # (B, T, K, Dh)
     v_all = lax.all_gather(v, SEQ, axis=1, tiled=True)
     tq = q.shape[1]
@@ -161,4 +211,7 @@ def _gather_local(q, k, v, *, causal: bool, window: int = 0):
     if causal:  # query i of device r is position r Tq + i
         start = lax.axis_index(SEQ) * tq
         mask = causal_mask(tq, k_all.shape[1], start, 0, window)[None, None]
+    if segments is not None:
+        same = same_segment(segments, lax.all_gather(segments, SEQ, axis=1, tiled=True))
+        mask = same if mask is None else mask & same
     return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask, implementation="xla")

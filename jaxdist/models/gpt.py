@@ -24,7 +24,7 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_bias_init, default_embed_init, default_kernel_init
 
-from jaxdist.models import kv_cache, stack
+from jaxdist.models import documents, kv_cache, stack
 from jaxdist.models.attention import attention as split_attention
 from jaxdist.models.stack import check_remat
 
@@ -91,14 +91,16 @@ class Block(nnx.Module):
         self.fc = _linear(d_model, 4 * d_model, ("embed", "mlp"), **kw)  # column-parallel
         self.out = _linear(4 * d_model, d_model, ("mlp", "embed"), **kw)  # row-parallel
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, D)
-        q, k, v = self._qkv(x)
+    def __call__(self, x):  # (B, T, D) -> (B, T, D), or a ``documents.Packed``
+        h, segments, _ = documents.unpack(x)
+        q, k, v = self._qkv(h)
         # cuDNN's fused flash attention on GPU (bf16), plain XLA on CPU; split over a seq
         # mesh axis, the keys and values travel (jaxdist.models.attention).
         att = split_attention(
-            q, k, v, causal=True, seq_attention=self.seq_attention, implementation=self.attention
-        )
-        return self._rest(x, att)
+            q, k, v, causal=True, seq_attention=self.seq_attention,
+            implementation=self.attention, segment_ids=segments,
+        )  # fmt: skip
+        return documents.repack(x, self._rest(h, att))
 
     def cached(self, x: jax.Array, cache: dict, start: jax.Array):
         """``x`` (B, T, D) at positions ``start`` (B,) onwards, attending to the cache's
@@ -137,10 +139,13 @@ class GPT(nnx.Module):
         dropout: float = 0.0,
         seq_attention: str = "ring",
         layer_norm_eps: float = 1e-6,
+        document_eos: int | None = None,  # --document-mask: each document its own
+        reset_positions: bool = False,  # with document_eos: positions from 0 per document
         rngs: nnx.Rngs,
     ):
         check_remat(remat)
         self.remat = remat
+        self.document_eos, self.reset_positions = document_eos, reset_positions
         self.vocab_size = vocab_size  # the real vocabulary: the logits' width
         self.context = seq_len  # the position table's rows: the longest sequence it reads
         self.cache_shape = (n_heads, d_model // n_heads, dtype)  # a KV cache's K, Dh, dtype
@@ -168,8 +173,13 @@ class GPT(nnx.Module):
         """The final LayerNorm's output: what the head turns into logits (and what
         ``jaxdist.losses.make_fused_next_token_loss`` takes, never forming the logits)."""
         t = tokens.shape[1]
-        x = _drop(self.drop, self.tok(tokens) + self.pos(jnp.arange(t))[None])
-        x = stack.run_blocks(self.blocks, x, self.remat)
+        if self.document_eos is None:
+            x = _drop(self.drop, self.tok(tokens) + self.pos(jnp.arange(t))[None])
+            return self.ln_f(stack.run_blocks(self.blocks, x, self.remat))
+        # packed documents (jaxdist.models.documents): the segment ids ride with x
+        packed = documents.pack(None, tokens, self.document_eos, self.reset_positions)
+        x = _drop(self.drop, self.tok(tokens) + self.pos(packed.positions))
+        x = stack.run_blocks(self.blocks, packed.replace(x=x), self.remat).x
         return self.ln_f(x)
 
     def init_cache(self, batch: int, length: int):

@@ -19,9 +19,8 @@ maps them to mesh axes. The blocks are an ``nnx.List`` or, with ``scan_layers``,
 padded as the GPT's (``padded_vocab``) and its padding sliced off the logits.
 
 Attention takes the positions of its tokens (``LlamaBlock.__call__(x, positions)``; the
-stack passes none: 0..T-1). For generation, ``init_cache`` and ``cached_features`` run
-the same blocks on new tokens at explicit positions over a KV cache
-(``jaxdist.models.kv_cache``; ``jaxdist.generate`` drives it).
+stack passes none: 0..T-1, or a ``documents.Packed``'s). ``init_cache`` and
+``cached_features`` generate over a KV cache (``jaxdist.models.kv_cache``).
 """
 
 from __future__ import annotations
@@ -32,9 +31,9 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_embed_init, default_kernel_init
 
-from jaxdist.models import kv_cache, stack
+from jaxdist.models import documents, kv_cache, stack
 from jaxdist.models.attention import attention as split_attention
-from jaxdist.models.gpt import padded_vocab
+from jaxdist.models.gpt import _drop, _dropout, padded_vocab  # as the GPT's
 from jaxdist.models.moe import MoESettings
 from jaxdist.models.rope import Rope
 from jaxdist.models.router_aux import MoEAux, Routed
@@ -64,15 +63,6 @@ def rms_norm(d: int, eps: float, **kw) -> nnx.RMSNorm:
 def _embed(rows: int, d: int, **kw) -> nnx.Embed:
     init = nnx.with_partitioning(default_embed_init, ("vocab", "embed"))
     return nnx.Embed(rows, d, embedding_init=init, **kw)
-
-
-def _dropout(rate: float, rngs: nnx.Rngs) -> nnx.Dropout | None:
-    """As the GPT's: none at rate 0 (then no RNG stream in the model)."""
-    return nnx.Dropout(rate, rngs=rngs) if rate else None
-
-
-def _drop(layer: nnx.Dropout | None, x: jax.Array) -> jax.Array:
-    return x if layer is None else layer(x)
 
 
 class LlamaBlock(nnx.Module):
@@ -110,16 +100,19 @@ class LlamaBlock(nnx.Module):
 
     def __call__(self, x, positions: jax.Array | None = None):
         """(B, T, D) -> (B, T, D), or an MoE model's ``Routed`` -> ``Routed`` (its aux
-        plus this layer's); ``positions`` (B, T) or (1, T) int, default 0..T-1."""
-        h = x.x if isinstance(x, Routed) else x
+        plus this layer's); ``positions`` (B, T) or (1, T) int, default 0..T-1. Either
+        in a ``documents.Packed``: attention within documents, at its positions."""
+        inner, segments, packed_positions = documents.unpack(x)
+        h = inner.x if isinstance(inner, Routed) else inner
+        positions = packed_positions if positions is None else positions
         if positions is None:
             positions = jnp.arange(h.shape[1])[None]  # (1, T)
         q, k, v = self._qkv(h, positions)
         att = split_attention(
             q, k, v, causal=True, seq_attention=self.seq_attention,
-            implementation=self.attention, window=self.window,
+            implementation=self.attention, window=self.window, segment_ids=segments,
         )  # fmt: skip
-        return self._rest(x, att)
+        return documents.repack(x, self._rest(inner, att))
 
     def cached(self, x: jax.Array, cache: dict, start: jax.Array):
         """``x`` (B, T, D) at positions ``start`` (B,) onwards, attending to the cache's
@@ -192,9 +185,12 @@ class Llama(nnx.Module):
         block=LlamaBlock,
         kinds: tuple[int, ...] | None = None,
         moe: MoESettings | None = None,  # experts in place of the SwiGLU (jaxdist.models.moe)
+        document_eos: int | None = None,  # --document-mask (jaxdist.models.documents)
+        reset_positions: bool = False,  # with document_eos: RoPE from 0 per document
         rngs: nnx.Rngs,
     ):
         check_remat(remat)
+        self.document_eos, self.reset_positions = document_eos, reset_positions
         head_dim = head_dim or d_model // n_heads
         n_kv_heads = n_kv_heads or n_heads
         if n_heads % n_kv_heads:
@@ -206,8 +202,7 @@ class Llama(nnx.Module):
         dense = moe.dense_layers if moe is not None else n_layers
         if moe is not None and (kinds is not None or not 0 <= dense < n_layers):
             raise ValueError(f"moe: {dense} dense layers of {n_layers}, kinds {kinds}")
-        self.vocab_size = vocab_size  # the real vocabulary: the logits' width
-        self.cache_shape = (n_kv_heads, head_dim, dtype)  # a KV cache's K, Dh, dtype
+        self.vocab_size, self.cache_shape = vocab_size, (n_kv_heads, head_dim, dtype)
         with nnx.use_eager_sharding(False):  # names only; jaxdist.parallel.layout places them
             kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
             rows = padded_vocab(vocab_size, pad_vocab_to)
@@ -248,12 +243,19 @@ class Llama(nnx.Module):
         """The final RMSNorm's output at positions 0..T-1: what the head reads (and what
         ``jaxdist.losses.make_fused_next_token_loss`` takes)."""
         x = self.embed(tokens)
+        eos, reset = getattr(self, "document_eos", None), self.reset_positions
+        packed = None if eos is None else documents.pack(None, tokens, eos, reset)
+
+        def run(blocks, x, kinds=None):  # with the documents' ids riding along, if any
+            if packed is None:
+                return stack.run_blocks(blocks, x, self.remat, kinds)
+            return stack.run_blocks(blocks, packed.replace(x=x), self.remat, kinds).x
+
         if self.moe is None:
-            return self.norm(stack.run_blocks(self.blocks, x, self.remat, self.kinds))
+            return self.norm(run(self.blocks, x, self.kinds))
         if self.dense_blocks is not None:
-            x = stack.run_blocks(self.dense_blocks, x, self.remat)
-        routed = Routed(x, MoEAux.zeros(x.shape[0], self.moe.n_experts))
-        routed = stack.run_blocks(self.blocks, routed, self.remat)
+            x = run(self.dense_blocks, x)
+        routed = run(self.blocks, Routed(x, MoEAux.zeros(x.shape[0], self.moe.n_experts)))
         # flax's way to hand a forward pass's by-product to the loss (what sow does):
         # read by auxiliary_loss, never part of the training state
         self.moe_aux = nnx.Intermediate(routed.aux)

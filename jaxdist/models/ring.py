@@ -69,15 +69,25 @@ def fold(state, q, k, v, mask=None):
     return top, total, out
 
 
-def ring(q, k, v, *, causal: bool, window: int = 0, work: bool = False):
+def ring(q, k, v, segments=None, *, causal: bool, window: int = 0, work: bool = False):
     """``--seq-attention ring`` on this device's block: balanced where causal without a
-    window, else contiguous (the module). ``work``: also this device's score entries."""
+    window, else contiguous (the module). ``work``: also this device's score entries.
+    ``segments`` (B, Tq) int: each position's document (``--document-mask``); they
+    travel with their key/value block and each block's mask ANDs the same document."""
     if causal and not window:
-        return balanced_ring(q, k, v, work=work)
-    return contiguous_ring(q, k, v, causal=causal, window=window, work=work)
+        return balanced_ring(q, k, v, segments, work=work)
+    return contiguous_ring(q, k, v, segments, causal=causal, window=window, work=work)
 
 
-def contiguous_ring(q, k, v, *, causal: bool, window: int = 0, work: bool = False):
+def _and(mask, q_segments, k_segments):
+    """``mask`` (or none) and, with segment ids, same document: (B, 1, Tq, Tk) bool."""
+    if q_segments is None:
+        return mask
+    same = (q_segments[:, :, None] == k_segments[:, None, :])[:, None]
+    return same if mask is None else mask & same
+
+
+def contiguous_ring(q, k, v, segments=None, *, causal: bool, window: int = 0, work=False):
     """One device's queries against every K/V block, the blocks passed round the ring:
     at hop s device r holds the block of device (r - s) mod S."""
     size, me = lax.axis_size(SEQ), lax.axis_index(SEQ)
@@ -87,59 +97,67 @@ def contiguous_ring(q, k, v, *, causal: bool, window: int = 0, work: bool = Fals
     # With a window, hops whose block lies wholly beyond it are never made: the nearest
     # key of hop s's block is s Tq - (Tq - 1) positions behind the farthest query.
     hops = min(size, -(-(window - 1) // tq) + 1) if window else size
-    arriving = lax.ppermute((k, v), SEQ, forward) if hops > 1 else None  # during hop 0
-    state = fold(None, q, k, v, mask)  # hop 0: its own block, the diagonal
+    block = (k, v, segments)  # the segment ids (or None) travel with their keys
+    arriving = lax.ppermute(block, SEQ, forward) if hops > 1 else None  # during hop 0
+    state = fold(None, q, k, v, _and(mask, segments, segments))  # hop 0: the diagonal
     entries = jnp.int32(tq * tq)
     for hop in range(1, hops):
-        k, v = arriving
+        k, v, k_seg = arriving
         if hop + 1 < hops:  # the next block's send, issued before this block's arithmetic
-            arriving = lax.ppermute((k, v), SEQ, forward)
+            arriving = lax.ppermute((k, v, k_seg), SEQ, forward)
         # hop s's keys sit exactly s Tq positions earlier than the diagonal's: a fixed mask
         far = causal_mask(tq, tq, hop * tq, 0, window)[None, None] if window else None
+        far = _and(far, segments, k_seg)
         if causal:  # block (r - hop) mod S is earlier than r iff hop <= r; else skipped
             folded = functools.partial(fold, q=q, k=k, v=v, mask=far)
             state = lax.cond(hop <= me, folded, lambda s: s, state)
             entries += jnp.where(hop <= me, tq * tq, 0)
         else:
-            state = fold(state, q, k, v)
+            state = fold(state, q, k, v, far)
             entries += tq * tq
     out = finish(state, q.dtype)
     return (out, entries) if work else out
 
 
-def balanced_ring(q, k, v, *, work: bool = False):
-    """Causal ring attention in the zig-zag order: the same work on every device."""
+def balanced_ring(q, k, v, segments=None, *, work: bool = False):
+    """Causal ring attention in the zig-zag order: the same work on every device; the
+    segment ids (or None) reordered as the positions are, and travelling with k, v."""
     size, me = lax.axis_size(SEQ), lax.axis_index(SEQ)
     c = q.shape[1] // 2  # a chunk: T / 2S positions
     forward = [(i, (i + 1) % size) for i in range(size)]
     q, k, v = to_zigzag(q), to_zigzag(k), to_zigzag(v)  # chunks me and 2S-1-me
-    arriving = lax.ppermute((k, v), SEQ, forward) if size > 1 else None
+    q_seg = k_seg = None if segments is None else to_zigzag(segments)
+    arriving = lax.ppermute((k, v, k_seg), SEQ, forward) if size > 1 else None
     # hop 0, its own chunks: each causal within itself, the later one seeing the earlier
     pos = jnp.concatenate([me * c + jnp.arange(c), (2 * size - 1 - me) * c + jnp.arange(c)])
-    state = fold(None, q, k, v, (pos[:, None] >= pos[None, :])[None, None])
+    diagonal = _and((pos[:, None] >= pos[None, :])[None, None], q_seg, k_seg)
+    state = fold(None, q, k, v, diagonal)
     entries = jnp.int32(4 * c * c)
     for hop in range(1, size):
-        k, v = arriving
+        k, v, k_seg = arriving
         if hop + 1 < size:
-            arriving = lax.ppermute((k, v), SEQ, forward)
+            arriving = lax.ppermute((k, v, k_seg), SEQ, forward)
         # the block of device r' = (me - hop) mod S: chunks r' and 2S-1-r'. Earlier
         # (r' < me): every query sees chunk r' and none sees 2S-1-r'. Later: only the
         # later query chunk sees them, both. C x 2C or 2C x C either way.
-        early = functools.partial(_all_queries_first_keys, q=q, k=k, v=v, c=c)
-        late = functools.partial(_late_queries_all_keys, q=q, k=k, v=v, c=c)
+        segs = dict(q_seg=q_seg, k_seg=k_seg)
+        early = functools.partial(_all_queries_first_keys, q=q, k=k, v=v, c=c, **segs)
+        late = functools.partial(_late_queries_all_keys, q=q, k=k, v=v, c=c, **segs)
         state = lax.cond((me - hop) % size < me, early, late, state)
         entries += 2 * c * c
     out = from_zigzag(finish(state, q.dtype))
     return (out, entries) if work else out
 
 
-def _all_queries_first_keys(state, q, k, v, c):
-    return fold(state, q, k[:, :c], v[:, :c])
+def _all_queries_first_keys(state, q, k, v, c, q_seg=None, k_seg=None):
+    mask = None if q_seg is None else _and(None, q_seg, k_seg[:, :c])
+    return fold(state, q, k[:, :c], v[:, :c], mask)
 
 
-def _late_queries_all_keys(state, q, k, v, c):
+def _late_queries_all_keys(state, q, k, v, c, q_seg=None, k_seg=None):
     top, total, out = state
-    later = fold((top[..., c:], total[..., c:], out[:, c:]), q[:, c:], k, v)
+    mask = None if q_seg is None else _and(None, q_seg[:, c:], k_seg)
+    later = fold((top[..., c:], total[..., c:], out[:, c:]), q[:, c:], k, v, mask)
     return (
         jnp.concatenate([top[..., :c], later[0]], axis=-1),
         jnp.concatenate([total[..., :c], later[1]], axis=-1),

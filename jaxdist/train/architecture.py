@@ -58,6 +58,17 @@ class ModelConfig:
     # all-to-all (Ulysses: heads split over seq for attention; seq must divide kv heads)
     seq_attention: Literal["gather", "ring", "all-to-all"] = "ring"
     layer_norm_eps: float = 1e-6  # gpt: LayerNorm's epsilon (GPT-2's is 1e-5)
+    # gpt, llama: packed documents (jaxdist/models/documents.py): a token attends only to
+    # earlier tokens of its own document (segments cut after each end-of-document id), and
+    # the loss skips the targets after an EOS (each begins a new document). Off by
+    # default: it changes the model a checkpoint was trained as, and costs an explicit
+    # (B, 1, T, T) mask on XLA's attention path (cuDNN's kernel takes no segment ids)
+    document_mask: bool = False
+    # with --document-mask: positions (the GPT's table, the Llama's RoPE) from 0 per document
+    reset_positions: bool = False
+    # with --document-mask: the end-of-document id; -1: the data's (a tokenizer's sidecar
+    # eos_id, else 256, the byte files' end of document)
+    document_eos_id: int = -1
     # llama: the Llama family's decoder (jaxdist/models/llama.py; docs/models.md), sized by
     # vocab_size, d_model, n_layers, n_heads as the GPT, and:
     n_kv_heads: int = 0  # key/value heads (grouped-query attention), dividing n_heads; 0: n_heads

@@ -13,6 +13,7 @@ or labels out of range (``data.checks``), and the files they read are fingerprin
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ class Data:
     # open (what the run reads: an .npz held in memory, a token file mapped): what each
     # checkpoint records and a resume compares (``jaxdist.train.resume``)
     fingerprints: dict[str, dict] = field(default_factory=dict)
+    eos_id: int = text.EOT  # lm: the end-of-document id (a tokenizer's, else bytes' 256)
 
     def batch_shapes(self, global_batch_size: int) -> dict:
         """The step's global batch as shapes and dtypes, e.g. {"tokens": (64, T + 1) int32}."""
@@ -139,7 +141,18 @@ def _token_files(config: Config, train: Path, eval_path: Path | None, name: str)
     byte_level = windows.vocab_size == text.BYTE_VOCAB and windows.tokenizer is None
     description = f"{name} ({windows.num_tokens:,} tokens)"
     files = {"train": train, **({"eval": eval_path} if eval_path else {})}
-    return Data(windows, held_out, vocab, byte_level, description, files=files)
+    eos = (windows.tokenizer or {}).get("eos_id", text.EOT)
+    return Data(windows, held_out, vocab, byte_level, description, files=files, eos_id=eos)
+
+
+def model_for(model, data: Data, task: str):
+    """The ModelConfig with what the data fixes where not given: the vocabulary and,
+    with ``--document-mask``, the end-of-document id."""
+    if task == "lm" and not model.vocab_size:
+        model = dataclasses.replace(model, vocab_size=data.vocab_size)
+    if model.document_mask and model.document_eos_id < 0:
+        model = dataclasses.replace(model, document_eos_id=int(data.eos_id))
+    return model
 
 
 def _check_vocabulary(config: Config, train: Path, eval_path: Path | None, vocab: int) -> None:

@@ -54,6 +54,7 @@ def _gpt(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
         dropout=cfg.dropout,
         seq_attention=cfg.seq_attention,
         layer_norm_eps=cfg.layer_norm_eps,
+        **documents(cfg),
         rngs=rngs,
     )
 
@@ -89,9 +90,18 @@ def _llama(cfg: ModelConfig, rngs: nnx.Rngs, **family) -> nnx.Module:
         dropout=cfg.dropout,
         seq_attention=cfg.seq_attention,
         moe=moe_settings(cfg),
+        **documents(cfg),
         rngs=rngs,
         **family,
     )
+
+
+def documents(cfg: ModelConfig) -> dict:
+    """The GPT's and Llama's ``document_eos`` and ``reset_positions`` (``--document-mask``)."""
+    if not cfg.document_mask:
+        return {}
+    return {"document_eos": cfg.document_eos_id if cfg.document_eos_id >= 0 else BYTE_VOCAB - 1,
+            "reset_positions": cfg.reset_positions}  # fmt: skip
 
 
 def moe_settings(cfg: ModelConfig):
@@ -133,6 +143,11 @@ def attention_kernel(cfg: ModelConfig) -> str:
     if cfg.attention != "auto":
         return cfg.attention
     if cfg.name == "gemma":
+        return "xla"
+    if cfg.document_mask:  # cuDNN's path takes no segment ids: said as it is built
+        if jax.default_backend() == "gpu" and jax.process_index() == 0:
+            said = "an explicit per-document mask; cuDNN's kernel takes no segment ids"
+            print(f"jaxdist: --document-mask: attention on XLA's path ({said})", flush=True)
         return "xla"
     return "cudnn" if jax.default_backend() == "gpu" and cfg.dtype == "bfloat16" else "xla"
 

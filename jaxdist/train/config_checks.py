@@ -70,6 +70,7 @@ RANGES: dict[str, Bound] = {
     "model.dropout": SHARE,  # 1 would drop every activation
     "model.loss_chunks": at_least(-1),  # -1: auto (jaxdist.train.build_model.loss_chunks)
     "model.layer_norm_eps": POSITIVE,
+    "model.document_eos_id": at_least(-1),  # -1: the data's
     "model.n_kv_heads": at_least(0),  # 0: n_heads
     "model.head_dim": at_least(0),  # 0: d_model / n_heads
     "model.ffn_dim": at_least(0),  # 0: 4 x d_model

@@ -10,7 +10,8 @@ from jaxdist.train.architecture import ModelConfig
 # (the MLP; a factory without a config parameter; the other built-in transformer), they
 # would change nothing. The GPT and the Llama share the first group.
 SHARED_FLAGS = {"scan_layers": False, "remat": "none", "dropout": 0.0, "attention": "auto",
-                "seq_attention": "ring"}  # fmt: skip
+                "seq_attention": "ring", "document_mask": False, "reset_positions": False,
+                "document_eos_id": -1}  # fmt: skip
 GPT_FLAGS = {**SHARED_FLAGS, "layer_norm_eps": 1e-6}
 MOE_FLAGS = {"moe_experts": 0, "moe_top_k": 2, "moe_ffn_dim": 0, "moe_shared_experts": 0,
              "moe_dense_layers": 0, "moe_router": "softmax", "moe_norm_topk": True,
@@ -34,6 +35,7 @@ def check_gpt_flags(cfg: ModelConfig, reads_config: bool) -> None:
     """``ConfigError`` for a built-in model's flag given to a model that cannot see it:
     the GPT's to the MLP or to a factory without a config parameter, the Llama's to
     the GPT and the GPT's own to the Llama (one line naming them)."""
+    check_documents(cfg)
     flags = {**GPT_FLAGS, **GEMMA_FLAGS}
     given = {k: f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k, v in flags.items()
              if getattr(cfg, k) != v}  # fmt: skip
@@ -62,4 +64,22 @@ def check_gpt_flags(cfg: ModelConfig, reads_config: bool) -> None:
             "so they would change nothing; drop them, or give the factory a config parameter "
             "that reads them (for stacked blocks: jaxdist.models.Stack, nnx.scan or Linen's "
             "nn.scan)"
+        )
+
+
+def check_documents(cfg: ModelConfig) -> None:
+    """``ConfigError`` for ``--document-mask`` where it cannot apply, by name."""
+    if (cfg.reset_positions or cfg.document_eos_id >= 0) and not cfg.document_mask:
+        raise ConfigError("--reset-positions and --document-eos-id go with --document-mask")
+    if not cfg.document_mask:
+        return
+    if cfg.name == "gemma":
+        raise ConfigError(
+            "--document-mask with --model gemma: Gemma's own soft-capped attention takes "
+            "no segment ids; use --model llama or gpt, or drop --document-mask"
+        )
+    if cfg.attention == "cudnn":
+        raise ConfigError(
+            "--document-mask with --attention cudnn: jax.nn.dot_product_attention's cuDNN "
+            "path takes no segment ids; use --attention xla (or auto, which then is XLA's)"
         )

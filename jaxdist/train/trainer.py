@@ -169,8 +169,7 @@ def make_step(
     """The step, in the mesh's layout. The model goes in as a factory: Parallel builds it
     inside ``jax.jit``, directly in the strategy's layout."""
     cfg, d, model_config = config.train, config.data, config.model
-    if task == "lm" and not model_config.vocab_size:
-        model_config = dataclasses.replace(model_config, vocab_size=data.vocab_size)
+    model_config = build_data.model_for(model_config, data, task)  # vocabulary, EOS
     if mesh.shape["stage"] > 1 and model_config.name in STACKED:  # stages split a stack
         model_config = dataclasses.replace(model_config, scan_layers=True)
     rules, logical_rules = load_rules(cfg.rules) if cfg.rules else (None, None)
