@@ -37,12 +37,14 @@ def next_token_loss(model, batch):
     tokens = batch["tokens"]  # (B, T + 1): inputs tokens[:, :-1], targets tokens[:, 1:]
     logits = model(tokens[:, :-1]).astype(jnp.float32)  # (B, T, vocab)
     nats = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])  # (B, T)
-    # --document-mask: no target after an EOS (it begins the next document; the mean is
-    # over the positions kept: jaxdist.models.documents)
+    # --document-mask: no target after an EOS (it begins the next document:
+    # jaxdist.models.documents); a cut position counts 0 in the mean over all B x T, so
+    # that the loss is the same sum of rows however the batch is split (a mean over the
+    # kept positions of each replica's rows would weigh replicas unevenly)
     keep = kept_targets(tokens[:, :-1], getattr(model, "document_eos", None))
     if keep is None:
         return with_auxiliary(model, nats.mean())
-    return with_auxiliary(model, (nats * keep).sum() / jnp.maximum(keep.sum(), 1.0))
+    return with_auxiliary(model, (nats * keep).mean())
 
 
 def with_auxiliary(model, loss):
@@ -85,8 +87,8 @@ def make_fused_next_token_loss(chunks: int):
 def fused_cross_entropy(h, table, labels, chunks: int, vocab: int, softcap: float = 0.0):
     """Mean over (B, T) of the cross-entropy of ``h @ table.T`` (its first ``vocab``
     columns; soft-capped, c tanh(s / c), where ``softcap`` c > 0) against ``labels``;
-    h (B, T, D), table (rows, D), labels (B, T) int; a label < 0 is no target (the mean
-    is over the others)."""
+    h (B, T, D), table (rows, D), labels (B, T) int; a label < 0 is no target (it counts
+    0 in the mean)."""
     return _fused_loss_and_grads(h, table, labels, chunks, vocab, softcap)[0]
 
 
@@ -95,7 +97,7 @@ def _fused_loss_and_grads(h, table, labels, chunks: int, vocab: int, softcap: fl
     at a time (the batch axis, which data parallelism splits, stays whole in each)."""
     b, t, d = h.shape
     rows = table.shape[0]
-    n = jnp.maximum((labels >= 0).sum(), 1).astype(jnp.float32)  # the targets kept
+    n = b * t  # every position: a cut one (label < 0) counts 0, as next_token_loss's
     h_chunks = h.reshape(b, chunks, t // chunks, d).swapaxes(0, 1)  # (C, B, T/C, D)
     label_chunks = labels.reshape(b, chunks, t // chunks).swapaxes(0, 1)  # (C, B, T/C)
 

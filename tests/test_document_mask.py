@@ -128,7 +128,9 @@ def test_the_loss_skips_the_targets_after_an_eos_and_the_fused_loss_agrees():
     logits = model(rows[:, :-1])
     nats = optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:])
     keep = np.asarray(rows[:, :-1]) != EOS
-    np.testing.assert_allclose(loss, np.asarray(nats)[keep].mean(), rtol=1e-6)
+    # the mean over every position, a cut one counting 0
+    np.testing.assert_allclose(loss, np.where(keep, np.asarray(nats), 0).mean(), rtol=1e-6)
+    assert not np.isclose(float(loss), np.asarray(nats).mean(), rtol=1e-4)  # cuts count
     per_row = next_token_eval(model, batch)["loss"]  # the eval keeps the same targets
     want = [np.asarray(nats)[r][keep[r]].mean() for r in range(2)]
     np.testing.assert_allclose(per_row, want, rtol=1e-6)
@@ -149,10 +151,10 @@ def run(mesh_kw, model_fn):
     rng = np.random.default_rng(3)
     for _ in range(3):
         tokens = rng.integers(8, 20, (4, T + 1))
-        # 3 EOS among every row's T inputs, at its own places: each replica keeps as
-        # many targets (fsdp and stage average per-replica means: see the module)
-        for row in tokens:
-            row[rng.choice(T, 3, replace=False)] = EOS
+        # 1 to 4 EOS in each row's T inputs, at its own places: the replicas keep
+        # different numbers of targets, and the loss is still one device's
+        for i, row in enumerate(tokens):
+            row[rng.choice(T, 1 + i, replace=False)] = EOS
         state, metrics = dp.step(state, jaxdist.shard_batch({"tokens": tokens}, mesh))
         losses.append(float(metrics["loss"]))
     return losses, dp.host_params(state)
@@ -168,8 +170,10 @@ def test_three_steps_with_document_mask_equal_one_device(mesh_kw, scan):
     losses, params = run(mesh_kw, model_fn)
     one_losses, one_params = run({}, model_fn)
     np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
+    # Adam divides by sqrt(v): a weight whose gradient is near 0 moves by lr whatever its
+    # rounding, so 1e-4 (lr 1e-2, 3 steps) on the weights, 1e-5 on the losses
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one_params), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kw, said", [

@@ -14,7 +14,8 @@ layer gathers), as an MoE model's ``Routed`` aux does: the blocks pass a ``Packe
 
 The loss (``jaxdist.losses``) drops the positions whose *input* is an EOS: their target
 is the first token of the next document, which nothing of that document precedes
-(Megatron's ``eod_mask_loss``); the mean is over the positions kept.
+(Megatron's ``eod_mask_loss``); a cut position counts 0 in the mean over all
+positions, so the loss is the same sum of rows on any split of the batch.
 """
 
 from __future__ import annotations
