@@ -19,8 +19,9 @@ LlamaForCausalLM under torch.compile and plain JAX (``bench_gpt.py --model llama
 same three measurements as the GPT's, the round's comparison not yet measured), jaxdist
 with the plain loss (``--loss-chunks 0``), ``--fp8``, a trace of the fp8 step, the Llama
 at 1B against the same two peers (if time allows: last of the bench rows), the planner
-against the device (``plan_vs_measured.py``), the offload study (``offload.py``). The
-MoE and long-context benchmarks join this list when those models exist.
+against the device (``plan_vs_measured.py``), the offload study (``offload.py``), last the
+MoE Llama against the dense one of its active parameters (``bench_moe.py --gpu``: one
+GPU, expert=1). The long-context benchmark joins this list when it has a GPU row.
 
 Cold compilation dominates: some 20 programs of 10-60 s each would not fit one session
 run one after another. So the runs go in two phases sharing one JAX compilation cache

@@ -48,11 +48,21 @@ def scripts(out: Path, cpu: bool, warm: bool = False) -> list[tuple]:
     plan = [py, str(HERE / "plan_vs_measured.py"), "--out", str(out)]
     plan += ["--measure-only"] * warm
     offload = [py, str(HERE / "offload.py"), "--out", str(out / "offload.jsonl")]
+    # the MoE Llama against the dense one of its active parameters (one GPU: expert=1),
+    # last: the lowest priority; warm, each program's one step only (its compile)
+    moe = [py, str(HERE / "bench_moe.py"), "--out", str(out / "bench_moe.jsonl")]
+    moe += ["--cpu", "--experts", "2", "--steps", "1"] if cpu else ["--gpu"]
+    moe += ["--steps", "0"] * warm
     if cpu:
         plan += ["--sizes", "tiny", "--steps", "2"]
         offload += ["--cpu-devices", "8", "--mesh", "fsdp=8", "--small"]
-    # the planner's study measures up to 1.3B: 51 GB at its peak, 4 units
-    return [("plan vs measured", plan, 4, None), ("offload", offload, 1, out / "offload.jsonl")]
+    # the planner's study measures up to 1.3B: 51 GB at its peak, 4 units; the MoE's
+    # 124M-shaped 8 experts (313M parameters, AdamW, batch 16 x 1024): 2 units
+    return [
+        ("plan vs measured", plan, 4, None),
+        ("offload", offload, 1, out / "offload.jsonl"),
+        ("bench moe", moe, 2, out / "bench_moe.jsonl"),
+    ]
 
 
 def background(work: Path, target: str, cpu: bool) -> list[tuple[str, list[str]]]:

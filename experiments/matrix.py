@@ -5,7 +5,7 @@ Command:   python experiments/matrix.py [--layouts data=8 ...] [--features resum
                                         [--in-process] [--merge experiments/MATRIX.md]
                                         [--cells cells.jsonl]
 Hardware:  8 emulated CPU devices on a 2-core machine (the 2-process layout: 2 x 4, started
-           by ``python -m jaxdist.launch``); about 75 minutes for the 13 x 15 cells (--in-process).
+           by ``python -m jaxdist.launch``); about 85 minutes for the 15 x 15 cells (--in-process).
 Runs:      the built-in GPT on its default data (bytes of the standard library), global batch
            16, 6 steps, SGD at lr 0.3 without clipping (Adam turns the float noise of a
            gradient that is zero in exact arithmetic, the key bias's, into whole steps, and
@@ -22,7 +22,11 @@ Runs:      the built-in GPT on its default data (bytes of the standard library),
            Llama (``LLAMA``: grouped-query attention, QK-norm, q/k/v biases, a sliding
            window shorter than the sequence, Llama 3's RoPE scaling, an untied head) with
            every feature the GPT has; the row named "gemma" Gemma 2 (``GEMMA``: sliding
-           and global layers alternating through pipeline stages, both soft-caps).
+           and global layers alternating through pipeline stages, both soft-caps); the
+           row named "moe" the Llama with experts (``MOE``: a dense first layer, then 4
+           routed experts, top 2, dropless, and a shared one) split 2 a device over
+           expert=2 beside fsdp and model, its elastic resume onto expert=4,data=2 (1
+           expert a device), the pipeline schedules n/a (stage with expert is refused).
 Expected:  every cell "ok": losses within 1e-4 (relative) of the reference, bf16 within 3e-2,
            resumed runs bit for bit; dropout equal to 1 device's where the layout draws one key
            for the global batch and within 3e-2 where it draws one per replica or per

@@ -25,6 +25,8 @@ LAYOUTS = {  # name -> (--mesh, processes)
     "llama: stage=2,fsdp=2,model=2": ("stage=2,fsdp=2,model=2", 1),
     # Gemma 2 (GEMMA below): its sliding and global layers' kinds through pipeline stages
     "gemma: stage=2,fsdp=2,model=2": ("stage=2,fsdp=2,model=2", 1),
+    # the Llama with experts (MOE below): 2 experts a device, all-to-all over expert=2
+    "moe: expert=2,fsdp=2,model=2": ("expert=2,fsdp=2,model=2", 1),
 }
 RUN = ["--global-batch-size", "16", "--steps", "6", "--log-every", "1"]
 GPT = ["--model", "gpt"]
@@ -47,6 +49,13 @@ GEMMA = [
     *("--sliding-window-tokens", "24", "--global-layer-every", "2", "--attn-softcap", "5"),
     *("--final-softcap", "3", "--query-scale-dim", "12"),
 ]
+# a mixture of experts in the Llama: 3 layers, the first dense, then 4 routed experts of
+# width 32 (top 2, dropless) and a shared one; over expert=2 each device holds 2 experts
+MOE = [
+    *("--model", "llama", "--n-layers", "3", "--n-kv-heads", "2", "--ffn-dim", "128"),
+    *("--moe-experts", "4", "--moe-top-k", "2", "--moe-ffn-dim", "32"),
+    *("--moe-shared-experts", "1", "--moe-dense-layers", "1"),
+]
 TESTS = Path(__file__).resolve().parents[1] / "tests"  # where explicit_model.py lives
 # The GPT's own flags: what the explicit model (its own blocks, float32) has no use for
 GPT_ONLY = {"bfloat16", "remat block", "dropout", "1f1b", "interleaved"}
@@ -58,6 +67,8 @@ def model_flags(layout: str) -> list[str]:
         return EXPLICIT
     if layout.startswith("gemma"):
         return GEMMA
+    if layout.startswith("moe"):
+        return MOE
     return LLAMA if layout.startswith("llama") else GPT
 
 
@@ -72,7 +83,10 @@ def mesh_of(layout: str) -> str:
 
 
 def elastic_target(layout: str) -> str:
-    """Where an elastic resume goes: data=8, with the layout row's model."""
+    """Where an elastic resume goes: data=8, with the layout row's model; the MoE row's
+    onto twice the expert split (each device 1 expert, not 2: the kernels re-split)."""
+    if layout.startswith("moe"):
+        return "moe: expert=4,data=2"
     for model in ("explicit", "llama", "gemma"):  # the rows of a model other than the GPT
         if layout.startswith(model):
             return f"{model}: data=8"
@@ -85,12 +99,15 @@ def slug(*parts: str) -> str:
 
 # Features that only mean something on some layouts: (feature, why not elsewhere)
 ONLY_WITH_STAGE = {"1f1b", "interleaved"}
+NO_STAGE_WITH_EXPERT = "stage with expert is refused (--mesh): no pipeline to schedule"
 
 
 def applies(layout: str, feature: str) -> str:
     """ "" where ``feature`` applies to ``layout``; else why it does not (the cell: n/a)."""
     if layout.startswith("explicit") and feature in GPT_ONLY:
         return "a flag of the built-in GPT's (its dtype, remat, dropout, pipeline blocks)"
+    if feature in ONLY_WITH_STAGE and "expert" in mesh_of(layout):
+        return NO_STAGE_WITH_EXPERT
     if feature in ONLY_WITH_STAGE and "stage" not in mesh_of(layout):
         return "no stage axis: no pipeline to schedule (the flag is ignored, as --microbatches)"
     return ""

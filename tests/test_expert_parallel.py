@@ -229,3 +229,25 @@ def test_a_step_is_the_one_device_step(strategy, sizes, mode):
     assert (want["dropped"] > 0) == (mode == "capacity")
     moved = [k for k in want if not np.allclose(want[k], got[k], rtol=TOL, atol=TOL)]
     assert not moved, moved
+
+
+def test_bf16_experts_beside_a_model_axis_sum_their_gradients_in_float32():
+    """bf16 experts on expert=2,fsdp=2,model=2 (the matrix's MoE row): the kernels'
+    gradients are summed over fsdp in float32, as every other gradient (a bf16 psum in a
+    shard_map beside the auto model axis aborted XLA:CPU's compiler: "Invalid binary
+    instruction opcode copy"), and equal the unsplit block's within bf16's precision."""
+    graphdef, state = nnx.split(build(dtype=jnp.bfloat16, n_shared=1))
+    x, probe = inputs()
+    grads = objective_of(graphdef, probe)
+    _, (g0, _) = jax.jit(grads)(state, x)
+    mesh = jaxdist.make_mesh(expert=2, fsdp=2, model=2)
+    split = on_mesh(grads, mesh)
+    args = placed(state, x, mesh)
+    text = split.lower(*args).compile().as_text()  # compiles: no abort
+    reduced = [c for c in read_program(text, 8).collectives if c.kind == "all-reduce"]
+    assert reduced and not re.search(r"bf16\[[\d,]*\]\{[\d,]*\} all-reduce", text)
+    _, (g1, _) = split(*args)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(g0), nnx.to_flat_state(g1), strict=True):
+        scale = np.abs(a.get_value()).max()
+        np.testing.assert_allclose(b.get_value(), a.get_value(), atol=3e-2 * scale,
+                                   err_msg="/".join(map(str, path)))  # fmt: skip

@@ -107,12 +107,36 @@ def routed(moe, x: jax.Array, weights: jax.Array, experts: jax.Array):
             f"{shards} devices; use a batch divisible by {shards}"
         )
 
+    # The kernels enter in their parameter dtype (float32), marked varying over the row
+    # axes besides expert (they are the same on each: their gradients are summed over
+    # them, a psum at the mark), then cast to moe.dtype: that psum is float32, as every
+    # other gradient's reduction. Left to JAX, the mark falls on the bf16 cast, and a
+    # bf16 psum inside a shard_map beside an auto axis (model) aborts XLA:CPU's
+    # AllReducePromotion ("Invalid binary instruction opcode copy": its reducer ends in
+    # a sharding annotation). In float32 this changes nothing.
+    kernels = [w.get_value() for w in (moe.gate, moe.up, moe.down)]
+    spread, run_local = tuple(a for a in row_axes if a != EXPERT), local
+
+    def local(x, weights, experts, *kernels):
+        kernels = [_varying(k, spread).astype(moe.dtype) for k in kernels]
+        return run_local(x, weights, experts, *kernels)
+
     rows = P(row_axes)  # y (B, T, D) and dropped (B,) by rows, as the inputs
     run = jax.shard_map(
         local, mesh=mesh, in_specs=(rows,) * 3 + (P(EXPERT),) * 3, out_specs=(rows, rows),
         axis_names=set(row_axes),
     )  # fmt: skip
     return run(x, weights, experts, *kernels)
+
+
+def _varying(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``x``, the same on every device of ``axes``, marked varying over them (its
+    gradient psum'd over them here): ``lax.pcast`` in this JAX, ``lax.pvary`` before."""
+    if not axes:
+        return x
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, axes, to="varying")
+    return lax.pvary(x, axes)
 
 
 def _exchange(buffer: jax.Array) -> jax.Array:
