@@ -59,7 +59,12 @@ def test_a_map_s_requires_are_the_settings_its_format_holds():
     (``--init-from``, export): a window into Llama's format, no biases into Qwen2's."""
     from jaxdist.weights.weight_map import check_requires, load
 
-    windowed = {"qk_norm": False, "sliding_window_tokens": 8, "attention_bias": "none"}
+    windowed = {
+        "qk_norm": False,
+        "sliding_window_tokens": 8,
+        "attention_bias": "none",
+        "moe_experts": 0,
+    }
     with pytest.raises(ConfigError, match="sliding_window_tokens is 8 in the model, the "
                        "format holds 0"):  # fmt: skip
         check_requires(load("llama"), windowed, "the model")
@@ -67,3 +72,5 @@ def test_a_map_s_requires_are_the_settings_its_format_holds():
     with pytest.raises(ConfigError, match="attention_bias is 'none' in the run's model, the "
                        "format holds 'qkv'"):  # fmt: skip
         check_requires(load("qwen2"), windowed, "the run's model")
+    with pytest.raises(ConfigError, match="moe_experts is 4 in the model, the format holds 0"):
+        check_requires(load("mistral"), {**windowed, "moe_experts": 4}, "the model")

@@ -71,6 +71,20 @@ def expert_split() -> int:
     return 1 if mesh.empty else dict(mesh.shape).get(EXPERT, 1)
 
 
+def splits_rows() -> bool:
+    """Whether the ambient mesh splits the batch's rows (data, fsdp or expert > 1, and
+    ``expert`` in it): then the dropless sort runs per device, in ``routed`` (with
+    expert = 1 nothing is exchanged); unsplit, XLA would gather every row's expert ids to
+    sort them on each device, and each device would run every token's experts. Not
+    under stages: the pipeline's shard_map cannot hold this one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or EXPERT not in mesh.axis_names:
+        return False
+    if dict(mesh.shape).get("stage", 1) > 1:  # no shard_map inside the stages' (refused
+        return False  # with expert > 1; with expert = 1 the plain sort, as unsplit)
+    return any(dict(mesh.shape).get(a, 1) > 1 for a in (*ROW_AXES, EXPERT))
+
+
 def routed(moe, x: jax.Array, weights: jax.Array, experts: jax.Array):
     """The routed experts' output of ``MoE`` ``moe`` over the ambient mesh's expert axis:
     x (B, T, D) in ``moe.dtype``, weights (B, T, k) float32, experts (B, T, k) int32 ->

@@ -191,7 +191,7 @@ class MoE(nnx.Module):
             logits, self.top_k, self.router_kind, self.norm_topk, self.route_scale
         )
         h = x.astype(self.dtype)
-        if expert_parallel.expert_split() > 1:  # the ambient mesh splits the experts
+        if expert_parallel.splits_rows():  # per device: the experts' rows, or the batch's
             y, dropped = expert_parallel.routed(self, h, weights, experts)
         elif self.capacity_factor:
             y, dropped = self._capacity(h, weights, experts)
