@@ -158,3 +158,14 @@ def next_within(iterator, seconds=20.0):
     thread.join(seconds)
     assert not thread.is_alive(), f"next() still blocked after {seconds} s"
     return out.get("value"), out.get("error")
+
+
+def read_in(config):
+    """The run ``jaxdist.train.trainer.setup`` makes of ``config``, its data and health
+    closed again: its state is what the run starts from (``--init-from``'s weights)."""
+    from jaxdist.train.trainer import setup
+
+    run = setup(config)
+    run.batches.close()
+    run.health.close(finished=True)
+    return run

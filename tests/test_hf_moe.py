@@ -32,11 +32,12 @@ import yaml
 torch = pytest.importorskip("torch", reason="the hf extra: pip install 'jaxdist[hf]'")
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install 'jaxdist[hf]'")
 
+from helpers import read_in  # noqa: E402
 from hf_reference import eager_logits, nudged_and_saved  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
 from jaxdist.export import main as export_main  # noqa: E402
 from jaxdist.train import config as config_lib  # noqa: E402
-from jaxdist.train.trainer import setup, train  # noqa: E402
+from jaxdist.train.trainer import train  # noqa: E402
 from jaxdist.weights.weight_map import SHIPPED  # noqa: E402
 
 D, LAYERS, HEADS, VOCAB, T = 32, 2, 4, 300, 32
@@ -86,14 +87,6 @@ def settings(folder, *extra: str, init_map: str = "", from_config: bool = True, 
         "--seq-len", str(T), "--data", "grammar", "--global-batch-size", "8", "--steps", "3",
         "--log-every", "3", "--checkpoint-every", "0", "--num-devices", str(devices), *extra,
     ])  # fmt: skip
-
-
-def read_in(config):
-    """The run ``setup`` makes of ``config``, closed again: its parameters are the file's."""
-    run = setup(config)
-    run.batches.close()
-    run.health.close(finished=True)
-    return run
 
 
 def logits_read_in(config) -> np.ndarray:

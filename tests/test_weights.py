@@ -20,11 +20,11 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import jaxdist
-from helpers import metrics_of
+from helpers import metrics_of, read_in
 from jaxdist.errors import ConfigError
 from jaxdist.export import main as export_main
 from jaxdist.train import config as config_lib
-from jaxdist.train.trainer import setup, train
+from jaxdist.train.trainer import train
 from jaxdist.weights import files
 
 D, LAYERS, HEADS, T, VOCAB, ROWS = 32, 2, 4, 16, 257, 384  # 257 ids padded to 384 rows
@@ -104,11 +104,7 @@ def settings(*extra: str):
     ])  # fmt: skip
 
 
-def initial(config):
-    run = setup(config)
-    run.batches.close()
-    run.health.close(finished=True)
-    return run
+initial = read_in  # the run a config starts: its state is the file's weights
 
 
 LAYOUTS = {

@@ -281,7 +281,7 @@ class Llama(nnx.Module):
         those positions), each row attending to its cache's earlier positions ->
         ((B, T, D), the new cache)."""
         x = self.embed(tokens)
-        if getattr(self, "dense_blocks", None) is None:
+        if self.dense_blocks is None:
             x, cache = kv_cache.run(self.blocks, x, cache, start, self.kinds)
             return self.norm(x), cache
         x, dense = kv_cache.run(self.dense_blocks, x, cache[0], start)
@@ -289,8 +289,7 @@ class Llama(nnx.Module):
         return self.norm(x), (dense, rest)
 
     def _stacks(self) -> list:
-        dense = getattr(self, "dense_blocks", None)
-        return [self.blocks] if dense is None else [dense, self.blocks]
+        return [self.blocks] if self.dense_blocks is None else [self.dense_blocks, self.blocks]
 
     def head(self, h: jax.Array) -> jax.Array:  # (B, T, D) -> (B, T, vocab)
         # (B, T, D) @ (D, padded vocab), the padded columns cut off (see the GPT's head)
