@@ -135,6 +135,17 @@ def test_fault_specs(monkeypatch):
     mine = Faults(parse("stall-data@1:3,flip@1:4,kill@0:2"), process_index=1)
     assert mine.stall_steps == {3} and set(mine.at_step) == {4} and not mine.program
     assert Faults([], 0).wrap_loss(len) is len  # nothing injected: the same function
+    # KIND@PROCESS:STEP:RESTART: only in the group started for that restart
+    restarts = parse("kill@1:10:0,kill@1:50:1,flip@1:7")
+    assert restarts[1] == Fault("kill", 1, 50, 1) and restarts[2].restart is None
+    assert set(Faults(restarts, 1, restart=0).at_step) == {10, 7}
+    assert set(Faults(restarts, 1, restart=1).at_step) == {50, 7}
+    assert set(Faults(restarts, 1, restart=2).at_step) == {7}
+    monkeypatch.setenv("JAXDIST_FAULT", "kill@0:3:1")
+    monkeypatch.setenv("JAXDIST_RESTART_COUNT", "1")
+    assert set(Faults.from_env(0).at_step) == {3}
+    with pytest.raises(ConfigError, match="RESTART"):
+        parse("kill@1:5:x")
 
 
 def test_user_code_is_code_outside_python_its_packages_and_all_of_jaxdist():

@@ -1,6 +1,8 @@
 """Fault injection, for the tests and ``experiments/faults.py``: the environment variable
 ``JAXDIST_FAULT="KIND@PROCESS:STEP"`` (several, comma-separated) makes process PROCESS
-misbehave at step STEP of ``python -m jaxdist.train``:
+misbehave at step STEP of ``python -m jaxdist.train``. ``KIND@PROCESS:STEP:RESTART`` acts
+only in the group started for the launcher's restart RESTART (``JAXDIST_RESTART_COUNT``,
+0 on the first start), so that a test can fail one attempt and let the next run on.
 
 ==========  ==============================================================================
 kill        SIGKILL itself before the step (a crashed process, a lost node)
@@ -37,6 +39,7 @@ from jaxdist.errors import ConfigError
 from jaxdist.parallel.packed import unpack
 
 VARIABLE = "JAXDIST_FAULT"
+RESTART_VARIABLE = "JAXDIST_RESTART_COUNT"  # set by jaxdist.launch for each group it starts
 KINDS = ("kill", "freeze", "stall-data", "spin", "deadlock", "program", "flip", "abort", "nan")
 NAN_FIELD = "jaxdist_fault_nan"  # the batch field of the ``nan`` fault, popped by the loss
 PROGRAM_SCALE = 1.0 + 2.0**-20
@@ -47,26 +50,35 @@ class Fault:
     kind: str
     process: int
     step: int
+    restart: int | None = None  # None: every start of the group
 
 
 def parse(text: str) -> list[Fault]:
     faults = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         kind, _, where = part.partition("@")
-        process, _, step = where.partition(":")
-        if kind not in KINDS or not process.isdigit() or not (step.isdigit() or kind == "program"):
+        process, _, when = where.partition(":")
+        step, _, restart = when.partition(":")
+        if (
+            kind not in KINDS
+            or not process.isdigit()
+            or not (step.isdigit() or (kind == "program" and not step))
+            or not (restart.isdigit() or not restart)
+        ):
             raise ConfigError(
-                f"{VARIABLE}={text!r}: {part!r} is not KIND@PROCESS:STEP with KIND one of "
-                f"{', '.join(KINDS)}"
+                f"{VARIABLE}={text!r}: {part!r} is not KIND@PROCESS:STEP[:RESTART] with KIND "
+                f"one of {', '.join(KINDS)}"
             )
-        faults.append(Fault(kind, int(process), int(step or 0)))
+        restart_index = int(restart) if restart else None
+        faults.append(Fault(kind, int(process), int(step or 0), restart_index))
     return faults
 
 
 class Faults:
     """This process's faults (none unless ``JAXDIST_FAULT`` names it)."""
 
-    def __init__(self, faults: list[Fault], process_index: int):
+    def __init__(self, faults: list[Fault], process_index: int, restart: int = 0):
+        faults = [f for f in faults if f.restart in (None, restart)]
         mine = [f for f in faults if f.process == process_index]
         self.process_index = process_index
         own = ("stall-data", "program", "nan")  # not acted on before a step
@@ -78,7 +90,8 @@ class Faults:
 
     @classmethod
     def from_env(cls, process_index: int) -> Faults:
-        return cls(parse(os.environ.get(VARIABLE, "")), process_index)
+        restart = int(os.environ.get(RESTART_VARIABLE) or 0)
+        return cls(parse(os.environ.get(VARIABLE, "")), process_index, restart)
 
     def wrap_loss(self, loss_fn):
         """The ``program`` fault: the same loss scaled, so another compiled step. The

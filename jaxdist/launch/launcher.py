@@ -73,6 +73,8 @@ def _attempts(command: list[str], args, out: Output, place=None, peers=None) -> 
     for attempt in range(args.max_restarts + 1):
         if attempt:
             out.say(f"restart {attempt}/{args.max_restarts}")
+        # torchrun's TORCHELASTIC_RESTART_COUNT: which start of the group this is
+        os.environ["JAXDIST_RESTART_COUNT"] = str(attempt)
         first = run_group(
             command,
             args.nproc,
