@@ -26,7 +26,8 @@ Runs:      the built-in GPT on its default data (bytes of the standard library),
            row named "moe" the Llama with experts (``MOE``: a dense first layer, then 4
            routed experts, top 2, dropless, and a shared one) split 2 a device over
            expert=2 beside fsdp and model, its elastic resume onto expert=4,data=2 (1
-           expert a device), the pipeline schedules n/a (stage with expert is refused).
+           expert a device), the pipeline schedules n/a (no stage on that layout; stage
+           with expert: tests/test_moe_llama.py).
 Expected:  every cell "ok": losses within 1e-4 (relative) of the reference, bf16 within 3e-2,
            resumed runs bit for bit; dropout equal to 1 device's where the layout draws one key
            for the global batch and within 3e-2 where it draws one per replica or per

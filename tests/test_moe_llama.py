@@ -177,6 +177,19 @@ def test_expert_parallel_layouts_equal_the_equations(reference, mesh, scan, opti
     assert_same(jaxdist_run(jaxdist.make_mesh(**mesh), scan_layers=scan, **options), reference)
 
 
-def test_experts_split_with_stages_are_refused_by_name():
-    with pytest.raises(jaxdist.ConfigError, match="expert=2 with stage=2: pipeline stages"):
-        jaxdist_run(jaxdist.make_mesh(stage=2, expert=2, data=2), scan_layers=True)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_experts_split_inside_pipeline_stages_equal_the_equations(reference, schedule):
+    """stage=2,expert=2,data=2: the experts' all-to-all runs inside each stage, per
+    replica (the gspmd step's region manual over data, fsdp and expert)."""
+    mesh = jaxdist.make_mesh(stage=2, expert=2, data=2)
+    options = dict(microbatches=2, pipeline_schedule=schedule)
+    assert_same(jaxdist_run(mesh, scan_layers=True, **options), reference)
+
+
+def test_experts_with_stages_and_a_model_axis_are_refused_by_name():
+    """With model > 1 the step is not per replica, and the experts' shard_map would sit
+    inside the stages' one, which does not lower."""
+    match = "expert=2 with stage=2: pipeline stages run experts split over expert per replica"
+    with pytest.raises(jaxdist.ConfigError, match=match):
+        mesh = jaxdist.make_mesh(stage=2, expert=2, model=2)
+        jaxdist_run(mesh, scan_layers=True, microbatches=2)

@@ -134,8 +134,8 @@ def test_the_balance_loss_falls_where_the_router_starts_lopsided():
         (["--moe-top-k", "3"], "--moe-top-k 3 without --moe-experts"),
         (["--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5 exceeds --moe-experts 4"),
         (["--moe-experts", "4", "--moe-dense-layers", "2"], "leaves none of the 2 layers"),
-        (["--moe-experts", "4", "--mesh", "expert=2,stage=2,data=2", "--scan-layers"],
-         "expert=2 with stage=2: pipeline stages do not run experts"),
+        (["--moe-experts", "4", "--mesh", "expert=2,stage=2,model=2", "--scan-layers"],
+         "expert=2 with stage=2: pipeline stages run experts split over expert per replica"),
     ],
 )  # fmt: skip
 def test_what_cannot_work_is_refused_by_name(flags, says):

@@ -23,9 +23,10 @@ def test_expert_layouts_only_for_a_model_with_experts():
     with_experts = cands.meshes(target, n_experts=4)
     sizes = {layout.expert for layout in with_experts}
     assert sizes == {1, 2, 4}  # the divisors of E = 4 that fit a node of 8
-    # never with stages: the command refuses expert with stage
-    assert not [x for x in with_experts if x.expert > 1 and x.stage > 1]
-    assert any(x.stage > 1 for x in with_experts)
+    # with stages only without model: the step refuses expert, stage and model together
+    staged = [x for x in with_experts if x.expert > 1 and x.stage > 1]
+    assert staged and all(x.model == 1 for x in staged)
+    assert any(x.stage > 1 and x.model > 1 and x.expert == 1 for x in with_experts)
     one = next(x for x in with_experts if (x.expert, x.data, x.model) == (4, 2, 1))
     assert one.mesh == "data=2,expert=4" and cands.accum_options(one, 16) == [1, 2]
     assert cands.meshes(target, {"data": 8}, n_experts=4) == [cands.Layout(8, 1, 1, 1)]

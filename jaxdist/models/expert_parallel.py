@@ -75,13 +75,14 @@ def splits_rows() -> bool:
     """Whether the ambient mesh splits the batch's rows (data, fsdp or expert > 1, and
     ``expert`` in it): then the dropless sort runs per device, in ``routed`` (with
     expert = 1 nothing is exchanged); unsplit, XLA would gather every row's expert ids to
-    sort them on each device, and each device would run every token's experts. Not
-    under stages: the pipeline's shard_map cannot hold this one."""
+    sort them on each device, and each device would run every token's experts. Under
+    stages only per replica (expert manual: plain per-device code), as no shard_map
+    lowers inside the stages' (``strategies.check_stage_experts``)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or EXPERT not in mesh.axis_names:
         return False
-    if dict(mesh.shape).get("stage", 1) > 1:  # no shard_map inside the stages' (refused
-        return False  # with expert > 1; with expert = 1 the plain sort, as unsplit)
+    if dict(mesh.shape).get("stage", 1) > 1 and EXPERT not in mesh.manual_axes:
+        return False  # gspmd's pipeline: the plain sort on the stage's rows
     return any(dict(mesh.shape).get(a, 1) > 1 for a in (*ROW_AXES, EXPERT))
 
 

@@ -76,8 +76,8 @@ def meshes(
     only with ``seq_len`` (the GPT's T, which it must divide), no stages (refused with
     them), and no ``fixed`` mesh or one naming seq. ``fixed`` (the user's ``--mesh``)
     keeps only the layouts it names, and a ``model`` or ``seq`` it names may span nodes.
-    ``expert`` only with ``n_experts`` (the model's E, which it must divide), no stages
-    (refused with them, as seq), inside
+    ``expert`` only with ``n_experts`` (the model's E, which it must divide), with stages
+    only without ``model`` (the command's check, ``strategies.check_stage_experts``), inside
     what ``model`` x ``seq`` leave of a node: its two all-to-alls per MoE block (and two
     more backwards) carry every routed token's rows."""
     total, per_node = target.num_devices, target.devices_per_node
@@ -88,7 +88,7 @@ def meshes(
             for stage in divisors(total // (model * seq)) if seq == 1 else [1]:
                 rest = total // (model * seq * stage)
                 experts = _expert_sizes(per_node // (model * seq), rest, fixed, n_experts)
-                for expert in experts if stage == 1 else [1]:  # refused with stages
+                for expert in experts if stage == 1 or model == 1 else [1]:  # as the step
                     for fsdp in divisors(rest // expert):
                         data = rest // (expert * fsdp)
                         layout = Layout(data, fsdp, model, stage, seq=seq, expert=expert)

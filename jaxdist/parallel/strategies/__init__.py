@@ -64,18 +64,32 @@ def layout(name: str, mesh: Mesh, rules=(), axis_names=None, shard_optimizer=Fal
 
 
 def _check_seq(mesh: Mesh) -> None:
-    """A seq or expert axis with stages: attention's shard_map over seq, or the experts'
-    all-to-all over expert, inside the pipeline's over stage does not lower (Shardy:
-    "manual axis seq after free axis stage"; per replica, the all-to-all's transpose
-    fails its types)."""
-    stages = mesh.shape.get("stage", 1)
-    for axis, what in ((SEQ, "a sequence split over seq"), (EXPERT, "experts split over expert")):
-        size = mesh.shape.get(axis, 1)
-        if size > 1 and stages > 1:
-            raise ConfigError(
-                f"--mesh {axis}={size} with stage={stages}: pipeline stages do not run {what}"
-                f"; use {axis} or stage, not both"
-            )
+    """A seq axis with stages: attention's shard_map over seq inside the pipeline's over
+    stage does not lower (Shardy: "manual axis seq after free axis stage", or "operates on
+    axis stage which is already bound": a nested shard_map's values varying over stage)."""
+    stages, size = mesh.shape.get("stage", 1), mesh.shape.get(SEQ, 1)
+    if size > 1 and stages > 1:
+        raise ConfigError(
+            f"--mesh {SEQ}={size} with stage={stages}: pipeline stages do not run a sequence "
+            f"split over seq; use {SEQ} or stage, not both"
+        )
+
+
+def check_stage_experts(mesh: Mesh, per_replica: bool) -> None:
+    """Experts split over ``expert`` inside pipeline stages run per replica only: there
+    the expert axis is already manual and the all-to-all is plain per-device code. The
+    experts' own shard_map inside the stages' would not lower (see ``_check_seq``)."""
+    stages, experts = mesh.shape.get("stage", 1), mesh.shape.get(EXPERT, 1)
+    if stages > 1 and experts > 1 and not per_replica:
+        model = mesh.shape.get("model", 1)
+        why = "this model (batch statistics, or explicit sharding)"
+        if model > 1:
+            why = f"a model axis (model={model})"
+        raise ConfigError(
+            f"--mesh {EXPERT}={experts} with stage={stages}: pipeline stages run experts "
+            f"split over {EXPERT} per replica (each device's rows), which {why} rules out; "
+            f"use {EXPERT} or stage without it"
+        )
 
 
 def wants_per_replica(name: str, mesh: Mesh, grad_accum: int, has_batch_stats: bool) -> bool:

@@ -117,15 +117,19 @@ def forward_pairs(stages: int) -> list[tuple[int, int]]:
 
 def on_stages(per_stage, mesh: Mesh, in_specs, out_specs):
     """``per_stage`` as a function of global arrays, manual over ``stage`` only. Inside
-    another shard_map (over the batch axes) the mesh is the one it left: the context's,
-    with those axes already manual."""
+    another shard_map (the per-replica region over the batch axes) the mesh is the one it
+    left: the context's, with those axes already manual; and its per-device autodiff
+    (``check_vma=False``) holds here too. Typed, the experts' all-to-all over a manual
+    expert axis would make the stage carry vary over expert, and the scan's types differ."""
     context = jax.sharding.get_abstract_mesh()
+    nested = not context.empty and bool(context.manual_axes)
     return jax.shard_map(
         per_stage,
-        mesh=context if not context.empty and context.manual_axes else mesh,
+        mesh=context if nested else mesh,
         in_specs=in_specs,
         out_specs=out_specs,
         axis_names=frozenset({STAGE}),
+        check_vma=not nested,
     )
 
 
