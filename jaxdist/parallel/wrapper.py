@@ -272,7 +272,6 @@ class Parallel:
             self._options.grad_accum,
             self._source.has_batch_stats or names,
         )
-        strategies.check_stage_experts(self.mesh, per_replica)
         axis_name, trivial, self.axis_bindings = bound_axes.plan(
             names, self.strategy, self.sync_batch_stats
         )
