@@ -119,7 +119,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_sessionstart(session):
+    from deadline import reports_dir
+
+    reports_dir()  # made here, so that the workers inherit it
     session.config.stash[_STARTED] = time.monotonic()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test under a deadline (``deadline.py``): a hang fails that test, by name."""
+    from deadline import Deadline, limit_s
+
+    deadline = Deadline(limit_s())
+    deadline.arm(item.nodeid)
+    try:
+        return (yield)
+    finally:
+        deadline.disarm()
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -132,6 +148,10 @@ def pytest_terminal_summary(terminalreporter, config):
         said = "the full tier"
     else:
         said = "the quick tier (pytest --full runs every test)"
+    from deadline import reports
+
+    for report in reports():  # tests past their deadline, with their threads' stacks
+        terminalreporter.write_line(report[-20000:])
     terminalreporter.write_line(f"jaxdist tests: {said}, {wall:.0f} s wall")
 
 
