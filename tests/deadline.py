@@ -13,6 +13,7 @@ GIL and the thread never runs."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import os
 import shutil
@@ -91,14 +92,13 @@ class Deadline:
             f"and its worker ends\n"
         )
         path = os.path.join(reports_dir(), f"{os.getpid()}.txt")
-        for stream in (sys.stderr, open(path, "w")):
-            stream.write(said)
-            stream.flush()
-            faulthandler.dump_traceback(stream, all_threads=True)
-            stream.flush()
+        with open(path, "w") as report:
+            for stream in (sys.stderr, report):
+                stream.write(said)
+                stream.flush()
+                faulthandler.dump_traceback(stream, all_threads=True)
+                stream.flush()
         for child in descendants(os.getpid()):
-            try:
+            with contextlib.suppress(OSError):  # gone already
                 os.kill(child, signal.SIGKILL)
-            except OSError:
-                pass
         os._exit(70)
