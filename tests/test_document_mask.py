@@ -2,7 +2,7 @@
 attention within documents against ``jax.nn.dot_product_attention`` with a mask written
 here, on every way over ``seq``; each document run alone through the GPT and the Llama
 gives the packed run's logits; the loss skips the targets after an EOS; training on
-seq=2,fsdp=2 and data=2,stage=2 equals 1 device; the refusals."""
+seq=2,fsdp=2, data=2,stage=2 and data=2,stage=2,seq=2 equal 1 device; the refusals."""
 
 from __future__ import annotations
 
@@ -161,7 +161,8 @@ def run(mesh_kw, model_fn):
 
 
 @pytest.mark.parametrize("mesh_kw, scan", [({"seq": 2, "fsdp": 2}, False),
-                                           ({"data": 2, "stage": 2}, True)])  # fmt: skip
+                                           ({"data": 2, "stage": 2}, True),
+                                           ({"data": 2, "stage": 2, "seq": 2}, True)])  # fmt: skip
 def test_three_steps_with_document_mask_equal_one_device(mesh_kw, scan):
     def model_fn():
         return Llama(32, 32, 2, 4, n_kv_heads=2, rngs=nnx.Rngs(0), scan_layers=scan,
@@ -171,9 +172,10 @@ def test_three_steps_with_document_mask_equal_one_device(mesh_kw, scan):
     one_losses, one_params = run({}, model_fn)
     np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
     # Adam divides by sqrt(v): a weight whose gradient is near 0 moves by lr whatever its
-    # rounding, so 1e-4 (lr 1e-2, 3 steps) on the weights, 1e-5 on the losses
+    # rounding, so 2e-4 (lr 1e-2, 3 steps) on the weights, 1e-5 on the losses. Measured:
+    # stage=2,seq=2 moves 1 of 8192 weights of a kernel by 1.2e-4, the other layouts < 1e-4
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(one_params), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kw, said", [

@@ -77,7 +77,7 @@ def splits_rows() -> bool:
     expert = 1 nothing is exchanged); unsplit, XLA would gather every row's expert ids to
     sort them on each device, and each device would run every token's experts. Under
     stages only per replica (expert manual: plain per-device code), as no shard_map
-    lowers inside the stages' (``strategies.check_stage_experts``)."""
+    lowers inside the stages' (``strategies.check_stage_nesting``)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or EXPERT not in mesh.axis_names:
         return False

@@ -67,8 +67,9 @@ def pipelined(parallel) -> bool:
 def replicas(parallel, per_replica: bool, axis_name) -> PerReplica | None:
     """The per-replica region of the step (``shard_map.PerReplica``), or None. fsdp
     gathers a ``Stack``'s layers one at a time there, unless the stack is pipelined.
-    Experts inside pipeline stages need that region (``check_stage_experts``)."""
-    strategies.check_stage_experts(parallel.mesh, per_replica)
+    A sequence or experts split inside pipeline stages need that region
+    (``check_stage_nesting``)."""
+    strategies.check_stage_nesting(parallel.mesh, per_replica)
     if not per_replica:
         return None
     by_layer = None if pipelined(parallel) else parallel._source.by_layer

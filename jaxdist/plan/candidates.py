@@ -73,11 +73,12 @@ def meshes(
     ``seq`` dividing a node's devices (tensor parallelism's all-reduces and sequence
     parallelism's key/value sends run in every layer: NVLink, not the network); ``stage``
     may span nodes (a pipeline sends one activation per microbatch and stage). ``seq``
-    only with ``seq_len`` (the GPT's T, which it must divide), no stages (refused with
-    them), and no ``fixed`` mesh or one naming seq. ``fixed`` (the user's ``--mesh``)
-    keeps only the layouts it names, and a ``model`` or ``seq`` it names may span nodes.
+    only with ``seq_len`` (the GPT's T, which it must divide), with stages only without
+    ``model`` (as ``expert``), and no ``fixed`` mesh or one naming seq. ``fixed`` (the
+    user's ``--mesh``) keeps only the layouts it names, and a ``model`` or ``seq`` it
+    names may span nodes.
     ``expert`` only with ``n_experts`` (the model's E, which it must divide), with stages
-    only without ``model`` (the command's check, ``strategies.check_stage_experts``), inside
+    only without ``model`` (the command's check, ``strategies.check_stage_nesting``), inside
     what ``model`` x ``seq`` leave of a node: its two all-to-alls per MoE block (and two
     more backwards) carry every routed token's rows."""
     total, per_node = target.num_devices, target.devices_per_node
@@ -85,7 +86,8 @@ def meshes(
     found = []
     for model in divisors(model_limit):
         for seq in _seq_sizes(total if fixed else per_node, model, fixed, seq_len):
-            for stage in divisors(total // (model * seq)) if seq == 1 else [1]:
+            # seq with stages as the step allows it: per replica, so without model
+            for stage in divisors(total // (model * seq)) if seq == 1 or model == 1 else [1]:
                 rest = total // (model * seq * stage)
                 experts = _expert_sizes(per_node // (model * seq), rest, fixed, n_experts)
                 for expert in experts if stage == 1 or model == 1 else [1]:  # as the step

@@ -56,40 +56,34 @@ def layout(name: str, mesh: Mesh, rules=(), axis_names=None, shard_optimizer=Fal
             "batch over data. Use --strategy gspmd (or shard_map) for fsdp, model, stage or "
             "seq axes"
         )
-    _check_seq(mesh)
     if name == "pmap":  # (N, ...): device d holds row d
         return Layout(mesh, copies=mesh.size, axis_names=axis_names)
     return Layout(mesh, rules=tuple(rules or ()), axis_names=axis_names,
                   shard_optimizer=shard_optimizer)  # fmt: skip
 
 
-def _check_seq(mesh: Mesh) -> None:
-    """A seq axis with stages: attention's shard_map over seq inside the pipeline's over
-    stage does not lower (Shardy: "manual axis seq after free axis stage", or "operates on
-    axis stage which is already bound": a nested shard_map's values varying over stage)."""
-    stages, size = mesh.shape.get("stage", 1), mesh.shape.get(SEQ, 1)
-    if size > 1 and stages > 1:
-        raise ConfigError(
-            f"--mesh {SEQ}={size} with stage={stages}: pipeline stages do not run a sequence "
-            f"split over seq; use {SEQ} or stage, not both"
-        )
-
-
-def check_stage_experts(mesh: Mesh, per_replica: bool) -> None:
-    """Experts split over ``expert`` inside pipeline stages run per replica only: there
-    the expert axis is already manual and the all-to-all is plain per-device code. The
-    experts' own shard_map inside the stages' would not lower (see ``_check_seq``)."""
-    stages, experts = mesh.shape.get("stage", 1), mesh.shape.get(EXPERT, 1)
-    if stages > 1 and experts > 1 and not per_replica:
-        model = mesh.shape.get("model", 1)
-        why = "this model (batch statistics, or explicit sharding)"
-        if model > 1:
-            why = f"a model axis (model={model})"
-        raise ConfigError(
-            f"--mesh {EXPERT}={experts} with stage={stages}: pipeline stages run experts "
-            f"split over {EXPERT} per replica (each device's rows), which {why} rules out; "
-            f"use {EXPERT} or stage without it"
-        )
+def check_stage_nesting(mesh: Mesh, per_replica: bool) -> None:
+    """``seq`` or ``expert`` split inside pipeline stages runs per replica only: nested in
+    that region (``check_vma=False``), the stages' shard_map and attention's over seq
+    (or the experts' over expert) lower. Without it the inner shard_map sits in the
+    stages' typed one, and Shardy refuses it ("manual axis seq after free axis stage",
+    or "operates on axis stage which is already bound": values varying over stage)."""
+    stages = mesh.shape.get("stage", 1)
+    inner = {a: mesh.shape.get(a, 1) for a in (SEQ, EXPERT) if mesh.shape.get(a, 1) > 1}
+    if stages == 1 or not inner or per_replica:
+        return
+    model = mesh.shape.get("model", 1)
+    why = "this model (batch statistics, or explicit sharding)"
+    if model > 1:
+        why = f"a model axis (model={model})"
+    axes = ",".join(f"{a}={n}" for a, n in inner.items())
+    what = {SEQ: "a sequence split over seq", EXPERT: f"experts split over {EXPERT}"}
+    said = " and ".join(what[a] for a in inner)
+    raise ConfigError(
+        f"--mesh {axes} with stage={stages}: pipeline stages run {said} per replica "
+        f"(each device's rows), which {why} rules out; use {' or '.join(inner)} or "
+        "stage without it"
+    )
 
 
 def wants_per_replica(name: str, mesh: Mesh, grad_accum: int, has_batch_stats: bool) -> bool:
