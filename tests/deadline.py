@@ -1,5 +1,5 @@
 """A deadline per test: a test still running after ``TEST_DEADLINE_S`` (environment
-variable, default 600 s; the slowest test of the full tier takes about 150 s) has every
+variable, default 600 s; the slowest test of the full tier takes about 250 s) has every
 thread's traceback written to stderr with its name, the processes it started killed, and
 its pytest worker ended. pytest-xdist reports the worker's crash against that test and
 goes on with a fresh worker, so a hang fails one named test instead of running CI into
