@@ -64,6 +64,10 @@ def flat_params(model) -> dict[str, jnp.ndarray]:
     return {"/".join(map(str, path)): jnp.asarray(v.get_value()) for path, v in flat}
 
 
+# one worker for the module: its fixture is made once, not once per worker
+pytestmark = pytest.mark.xdist_group("moe_llama")
+
+
 @pytest.fixture(scope="module")
 def reference():
     """(losses, balance losses, params) of 3 AdamW steps of the reference on one device."""

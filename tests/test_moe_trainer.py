@@ -40,6 +40,10 @@ def logged(run_dir) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+# one worker for the module: its fixture is made once, not once per worker
+pytestmark = pytest.mark.xdist_group("moe_trainer")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One device, and 2 processes x 4 devices on expert=4,data=2: their metrics."""

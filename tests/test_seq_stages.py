@@ -71,6 +71,10 @@ def plain_loop():
     return losses, flat
 
 
+# one worker for the module: its fixture is made once, not once per worker
+pytestmark = pytest.mark.xdist_group("seq_stages")
+
+
 @pytest.fixture(scope="module")
 def references():
     return {"plain": plain_loop(), "data=8": jaxdist_run(jaxdist.make_mesh(data=8))}
