@@ -1,8 +1,9 @@
 """Document masking of packed token windows (``--document-mask``, ``--reset-positions``):
 attention within documents against ``jax.nn.dot_product_attention`` with a mask written
 here, on every way over ``seq``; each document run alone through the GPT and the Llama
-gives the packed run's logits; the loss skips the targets after an EOS; training on
-seq=2,fsdp=2, data=2,stage=2 and data=2,stage=2,seq=2 equal 1 device; the refusals."""
+(dense or with experts) gives the packed run's logits; the loss skips the targets after
+an EOS; training on seq=2,fsdp=2, data=2,stage=2 and data=2,stage=2,seq=2 equals 1
+device; the refusals."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from jaxdist.models.attention import attention
 from jaxdist.models.documents import document_positions, segment_ids
 from jaxdist.models.gpt import GPT
 from jaxdist.models.llama import Llama
+from jaxdist.models.moe import MoESettings
 from jaxdist.train.architecture import ModelConfig
 from jaxdist.train.build_model import model_factory
 
@@ -98,7 +100,13 @@ def llama(**kw):
     return Llama(32, 32, 2, 4, n_kv_heads=2, rngs=nnx.Rngs(0), **kw)
 
 
-@pytest.mark.parametrize("build", [gpt, llama], ids=["gpt", "llama"])
+def moe_llama(**kw):
+    """Dropless experts with a shared one: each token routed alone, so a document's
+    tokens meet the same experts packed or alone."""
+    return llama(moe=MoESettings(4, 2, ffn_dim=24, n_shared=1), **kw)
+
+
+@pytest.mark.parametrize("build", [gpt, llama, moe_llama], ids=["gpt", "llama", "moe-llama"])
 def test_each_document_alone_gives_the_packed_logits(build):
     packed_model = build(document_eos=EOS, reset_positions=True)
     alone_model = build()  # the same weights, no document mask
