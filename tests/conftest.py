@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 import time
+from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 # Prepared corpora go to a fresh cache per test session (and subprocesses inherit it).
@@ -99,23 +100,48 @@ def pytest_addoption(parser):
         help="the full tier: every test, as CI runs them (default: the quick tier, "
         "without the tests marked full)",
     )
+    parser.addoption(
+        "--record-passed",
+        metavar="FILE",
+        help="write the node ids of the tests that passed to FILE (CI's first run)",
+    )
+    parser.addoption(
+        "--skip-passed",
+        metavar="FILE",
+        help="leave out the tests a --record-passed run passed (CI's second run)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     """Marks the tests tests/full_tier.txt lists ``full``; without --full leaves out every
     test marked so (there, or in its file)."""
-    from tiers import full_tier, in_list
+    from tiers import bare, full_tier, in_list, read_passed
 
     listed = full_tier()
     for item in items:
         if in_list(item.nodeid, listed):
             item.add_marker(pytest.mark.full)
+    if record := config.getoption("--skip-passed"):
+        passed = read_passed(Path(record))
+        _leave_out(config, items, lambda item: bare(item.nodeid) in passed)
     if config.getoption("--full"):
         return
-    full = [item for item in items if item.get_closest_marker("full")]
-    if full:
-        config.hook.pytest_deselected(items=full)
-        items[:] = [item for item in items if not item.get_closest_marker("full")]
+    _leave_out(config, items, lambda item: item.get_closest_marker("full"))
+
+
+def _leave_out(config, items, which) -> None:
+    left = [item for item in items if which(item)]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = [item for item in items if not which(item)]
+
+
+def pytest_configure(config):
+    from tiers import PassedRecord
+
+    record = config.getoption("--record-passed")
+    if record and not hasattr(config, "workerinput"):  # the controller sees every report
+        config.pluginmanager.register(PassedRecord(Path(record)), "jaxdist-passed-record")
 
 
 def pytest_sessionstart(session):

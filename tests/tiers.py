@@ -25,3 +25,33 @@ def in_list(nodeid: str, entries) -> bool:
     file = test.split("::")[0]
     function = test.split("[")[0]
     return file in entries or function in entries or test in entries
+
+
+# CI runs the quick tier first (the README's test command, with the test extra only), then
+# the full tier with every extra: the second run leaves out what the first one passed
+# (``--record-passed FILE`` there, ``--skip-passed FILE`` here), so that no test runs
+# twice; a test the first run skipped (its extra missing) or failed runs again.
+
+
+def read_passed(path: Path) -> set[str]:
+    """The node ids (without xdist's ``@group``) a ``--record-passed`` run wrote."""
+    return {line.strip() for line in path.read_text().splitlines() if line.strip()}
+
+
+def bare(nodeid: str) -> str:
+    """A node id without xdist's ``@group`` suffix."""
+    return re.sub(r"@\w+$", "", nodeid)
+
+
+class PassedRecord:
+    """A pytest plugin: the passed tests' node ids, written to ``path`` at the end."""
+
+    def __init__(self, path: Path):
+        self.path, self.passed = path, set()
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.when == "call" and report.passed:
+            self.passed.add(bare(report.nodeid))
+
+    def pytest_sessionfinish(self) -> None:
+        self.path.write_text("".join(f"{nodeid}\n" for nodeid in sorted(self.passed)))
