@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import jaxdist
+from helpers import metrics_of
 from jaxdist.data import Prefetcher, eval_batches, host_batches, loader
 from jaxdist.losses import classification_eval, classification_loss
 from jaxdist.models.mlp import MLP
@@ -131,6 +132,37 @@ def test_eval_counts_1001_examples_once_and_matches_the_plain_mean(strategy, num
     assert totals["count"] == 1001
     np.testing.assert_allclose(totals["loss"] / 1001, reference_loss.mean(), rtol=1e-5)
     assert totals["accuracy"] == reference_correct.sum()
+
+
+def test_eval_batches_reads_the_first_batches_and_says_so(tmp_path, capsys):
+    """``--eval-batches 3``: eval_loss is the numpy mean over the held-out set's first 3
+    batches of 64 (192 rows), under the final params, not the whole set's 2048 rows."""
+    from jaxdist.data.synthetic import TeacherClassification
+    from jaxdist.train.trainer import main
+
+    npz, run_dir = tmp_path / "params.npz", tmp_path / "run"
+    args = ["--model", "mlp", "--steps", "2", "--eval-every", "2", "--eval-batch-size", "64"]
+    args += ["--eval-batches", "3", "--run-dir", str(run_dir), "--save-params", str(npz)]
+    assert main([*args, "--mesh", "data=8"]) == 0
+    assert "reads the first 3 of the held-out set's 32 batches of 64" in capsys.readouterr().out
+    p = dict(np.load(npz))
+    held_out = TeacherClassification(2048, 32, 10, 0, 1)  # the trainer's defaults' set
+
+    def loss(x, y):  # the MLP in float64: gelu (tanh form) layers, then the head
+        for i in range(2):
+            h = x @ p[f"layers/{i}/kernel"] + p[f"layers/{i}/bias"]
+            x = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3)))
+        logits = (x @ p["head/kernel"] + p["head/bias"]).astype(np.float64)
+        logits -= logits.max(-1, keepdims=True)
+        log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        return -log_probs[np.arange(len(y)), y].mean()
+
+    record = [r for r in metrics_of(run_dir) if "eval_loss" in r][-1]
+    assert record["eval_count"] == 192
+    np.testing.assert_allclose(
+        record["eval_loss"], loss(held_out.x[:192], held_out.y[:192]), rtol=1e-5
+    )
+    assert abs(record["eval_loss"] - loss(held_out.x, held_out.y)) > 1e-3  # not the whole set
 
 
 def blocked_in(thread_id: int, file: str, function: str) -> bool:

@@ -92,6 +92,7 @@ class TrainConfig:
     save_params: str = ""  # write the final params to this .npz (process 0)
     eval_every: int = 0  # run the held-out set every N steps and at the end; 0 = never
     eval_batch_size: int = 0  # global; 0 = global_batch_size
+    eval_batches: int = 0  # the first N held-out batches each evaluation; 0 = every one
     # a step whose loss or gradient is NaN/inf: halt (exit 1) or skip its update
     nan_policy: Literal["halt", "skip"] = "halt"
     # pmap/shard_map: a BatchNorm axis_name means the data axis (SyncBatchNorm); default:

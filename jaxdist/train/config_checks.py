@@ -115,6 +115,7 @@ RANGES: dict[str, Bound] = {
     "train.num_devices": at_least(0),  # 0: all
     "train.eval_every": at_least(0),  # 0: never
     "train.eval_batch_size": at_least(0),  # 0: the global batch
+    "train.eval_batches": at_least(0),  # 0: the whole held-out set
     "train.checkpoint_every": at_least(0),  # 0: at the end and on preemption only
     "train.keep": at_least(1),
     "train.peak_tflops": at_least(0),  # 0: from the device table

@@ -4,6 +4,7 @@ goes out as events (``jaxdist.sinks.events``) to the run's sinks."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -270,7 +271,8 @@ def evaluate(run: Run, state) -> dict[str, float]:
         len(run.data.eval), cfg.eval_batch_size or cfg.global_batch_size, mesh=run.mesh
     )
     totals: dict[str, float] = {}
-    for host_batch in data_lib.eval_batches(run.data.eval, sampler):
+    batches = data_lib.eval_batches(run.data.eval, sampler)
+    for host_batch in itertools.islice(batches, cfg.eval_batches or None):
         # Each batch is progress; the first of the run compiles the evaluation step.
         run.health.watch.phase("eval", run.evaluations, slow=not run.evaluations)
         sums = run.dp.evaluate(state, jaxdist.shard_batch(host_batch, run.mesh))

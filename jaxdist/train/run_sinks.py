@@ -93,6 +93,8 @@ def announce(run: Run, sinks) -> None:
     cut = warmup_note(run.config.optim, cfg.steps)
     if cut:
         sinks.emit(Note(f"jaxdist: {cut}"))
+    if held_out := eval_note(run):
+        sinks.emit(Note(f"jaxdist: {held_out}"))
     if run.begin.step or run.begin.earlier_last_step:  # resumed, or restarted from step 0
         sinks.emit(Resumed(run.begin.step, earlier_last_step=run.begin.earlier_last_step))
     for role, saved, found in run.begin.data_changed:  # --data-changed ok: on the record
@@ -100,3 +102,20 @@ def announce(run: Run, sinks) -> None:
     if run.begin.step:
         sinks.emit(Note(f"resumed from the checkpoint of step {run.begin.step} in {run_dir}"))
     sinks.emit(started(run.config, run))
+
+
+def eval_note(run: Run) -> str | None:
+    """The start-up line of ``--eval-batches``: how much of the held-out set is read."""
+    cfg = run.config.train
+    if not cfg.eval_batches:
+        return None
+    if not cfg.eval_every:
+        return f"--eval-batches {cfg.eval_batches} does nothing without --eval-every"
+    size = cfg.eval_batch_size or cfg.global_batch_size
+    total = -(-len(run.data.eval) // size)  # the held-out set's batches, the last padded
+    if cfg.eval_batches >= total:
+        return f"--eval-batches {cfg.eval_batches}: all {total} held-out batches of {size}"
+    return (
+        f"each evaluation reads the first {cfg.eval_batches} of the held-out set's {total} "
+        f"batches of {size} (--eval-batches): eval_loss is theirs, not the whole set's"
+    )
