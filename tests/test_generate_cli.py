@@ -63,6 +63,23 @@ def test_a_run_directory_continues_each_prompt_as_alone(run_dir, capsys):
     assert printed == [line for pair in shown for line in pair]
 
 
+def test_a_run_trained_with_document_masks_is_told_generation_has_none(tmp_path, capsys):
+    """Nothing silent: generation reads each prompt as one sequence, which a model trained
+    with --document-mask never met across an EOS; the command says so before it runs (and
+    says nothing of it for a run without: the first test's one line)."""
+    run = tmp_path / "run"
+    config = config_lib.parse_args([
+        "--model", "gpt", "--data", "grammar", "--seq-len", str(SEQ), "--d-model", "32",
+        "--n-layers", "1", "--n-heads", "4", "--global-batch-size", "8", "--steps", "1",
+        "--checkpoint-every", "1", "--num-devices", "1", "--document-mask", "--run-dir", str(run),
+    ])  # fmt: skip
+    train(config, quiet=True)
+    capsys.readouterr()  # what training printed
+    _, err = generated(capsys, run, "--prompt", "a", "--max-new-tokens", 2)
+    said = [line for line in err.splitlines() if "--document-mask" in line]
+    assert said and "generation does not mask documents" in said[0], err
+
+
 def test_mesh_model_2_gives_one_devices_tokens(run_dir, capsys):
     one, _ = generated(capsys, run_dir, *flags(PROMPTS), "--max-new-tokens", 8)
     split, err = generated(capsys, run_dir, *flags(PROMPTS), "--max-new-tokens", 8,

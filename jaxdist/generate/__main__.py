@@ -98,6 +98,8 @@ def _run(args) -> int:
     Sampling(args.temperature, args.top_k, args.top_p)  # refused before the line below
     check(rebuilt.model, prompts, new, context=rebuilt.context, mesh=mesh)
     print(f"jaxdist generate: {rebuilt.what}, on {where}", file=sys.stderr, flush=True)
+    for note in rebuilt.notes:
+        print(f"jaxdist generate: {note}", file=sys.stderr, flush=True)
     out = generate(
         rebuilt.model, prompts, new, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed,

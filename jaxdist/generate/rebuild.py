@@ -54,6 +54,15 @@ class Rebuilt:
     what: str  # "gpt (2 layers, d_model 64) from runs/x, step 20": said before generating
     context: int | None  # the longest sequence it reads (prompt + new tokens)
     tokenizer: object | None  # encode(text) -> ids, decode(ids) -> text, eos_id
+    notes: list[str] = dataclasses.field(default_factory=list)  # said before generating
+
+
+# generation reads each prompt as one sequence: a model trained with --document-mask
+# meets here what its training never showed it, attention across an EOS
+DOCUMENTS = (
+    "the run trained with --document-mask; generation does not mask documents: each "
+    "prompt is one sequence, attending across any EOS ({eos}) inside it"
+)
 
 
 class ByteTokenizer:
@@ -109,8 +118,12 @@ def _from_run(run_dir: Path, step: int | None) -> Rebuilt:
         return np.asarray(arrays[f"params/{name}"])
 
     model = _fill(built, read, f"{run_dir} step {found}")
-    return Rebuilt(model, f"{_sizes(cfg)} from {run_dir}, step {found}", cfg.seq_len,
-                   _run_tokenizer(meta, names["vocab_size"]))  # fmt: skip
+    rebuilt = Rebuilt(model, f"{_sizes(cfg)} from {run_dir}, step {found}", cfg.seq_len,
+                      _run_tokenizer(meta, names["vocab_size"]))  # fmt: skip
+    if cfg.document_mask:
+        eos = f"id {cfg.document_eos_id}" if cfg.document_eos_id >= 0 else "the data's"
+        rebuilt.notes.append(DOCUMENTS.format(eos=eos))
+    return rebuilt
 
 
 def _run_tokenizer(meta: dict, vocab: int):
