@@ -55,3 +55,19 @@ class PassedRecord:
 
     def pytest_sessionfinish(self) -> None:
         self.path.write_text("".join(f"{nodeid}\n" for nodeid in sorted(self.passed)))
+
+
+def fast_compile_flags(always: str, *optional: str) -> str:
+    """``always`` and each ``optional`` XLA flag that this jaxlib's XLA accepts, tried in a
+    child process (XLA ends a process whose XLA_FLAGS hold a flag it does not know)."""
+    import os
+    import subprocess
+    import sys
+
+    kept = [always]
+    for flag in optional:
+        env = {**os.environ, "XLA_FLAGS": f"{always} {flag}", "JAX_PLATFORMS": "cpu"}
+        probe = [sys.executable, "-c", "import jax; jax.devices()"]
+        if subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0:
+            kept.append(flag)
+    return " ".join(kept)
