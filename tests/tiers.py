@@ -1,4 +1,5 @@
-"""The full tier's list (tests/full_tier.txt), read for conftest.py and test_tiers.py."""
+"""The full tier's list (tests/full_tier.txt), read for conftest.py and test_tiers.py; CI's
+record of the tests its first run passed; the XLA flags the suite compiles with."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def full_tier(path: Path = LIST) -> dict[str, float]:
 def in_list(nodeid: str, entries) -> bool:
     """Whether a test (``tests/test_x.py::test_y[case]``, maybe with xdist's ``@group``)
     is listed: its file, its function or itself."""
-    test = re.sub(r"@\w+$", "", nodeid.removeprefix("tests/"))
+    test = bare(nodeid.removeprefix("tests/"))
     file = test.split("::")[0]
     function = test.split("[")[0]
     return file in entries or function in entries or test in entries
@@ -29,7 +30,7 @@ def in_list(nodeid: str, entries) -> bool:
 
 # CI runs the quick tier first (the README's test command, with the test extra only), then
 # the full tier with every extra: the second run leaves out what the first one passed
-# (``--record-passed FILE`` there, ``--skip-passed FILE`` here), so that no test runs
+# (``--record-passed=FILE`` there, ``--skip-passed=FILE`` here), so that no test runs
 # twice; a test the first run skipped (its extra missing) or failed runs again.
 
 
