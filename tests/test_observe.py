@@ -137,8 +137,14 @@ def test_tensorboard_holds_each_metric_at_the_logged_steps(runs):
 
 
 def test_a_resumed_run_continues_its_tensorboard_run_without_duplicate_steps(tmp_path):
+    from tensorboard.summary.writer import event_file_writer
+
     from jaxdist.sinks import Resumed, Sinks, StepMetrics, TensorBoard
 
+    # The two attempts' files, made within a second in one process, are numbered 9 and 10
+    # by the writer's counter: by name, "...10" sorts before "...9" (the names' seconds
+    # must tell them apart)
+    event_file_writer._global_uid._value = 9
     first = Sinks([TensorBoard(tmp_path)])
     for step in range(1, 11):  # the earlier attempt logged 1..10, its checkpoint was 6
         first.emit(StepMetrics(step, {"loss": 1.0 * step}))

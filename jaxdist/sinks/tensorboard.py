@@ -95,6 +95,8 @@ class TensorBoard(Sink):
         if self.resumed_from is None:
             for old in self.log_dir.glob(EVENT_FILES):
                 old.unlink()
+        else:
+            _after_earlier_files(self.log_dir)
         self.writer = EventFileWriter(str(self.log_dir), flush_secs=self.flush_secs)
         if self.resumed_from is not None:  # drops the earlier attempt's later points
             start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
@@ -113,3 +115,14 @@ class TensorBoard(Sink):
 
 def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _after_earlier_files(log_dir: Path) -> None:
+    """Waits, at most a second, until this second is past the newest event file's. TensorBoard
+    reads a folder's event files in name order, and a name is the second it was made, then
+    host, process and a counter: a resumed attempt's file made in the same second as the
+    earlier one's could sort before it (counter 10 before 9), and the earlier attempt's
+    points would then win over the resumed one's."""
+    seconds = [int(f.name.split(".")[3]) for f in log_dir.glob(EVENT_FILES)]
+    while seconds and time.time() < max(seconds) + 1:
+        time.sleep(0.05)
