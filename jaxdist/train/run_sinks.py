@@ -112,7 +112,7 @@ def eval_note(run: Run) -> str | None:
     if not cfg.eval_every:
         return f"--eval-batches {cfg.eval_batches} does nothing without --eval-every"
     size = cfg.eval_batch_size or cfg.global_batch_size
-    total = -(-len(run.data.eval) // size)  # the held-out set's batches, the last padded
+    total = jaxdist.EvalSampler(len(run.data.eval), size, mesh=run.mesh).steps  # last padded
     if cfg.eval_batches >= total:
         return f"--eval-batches {cfg.eval_batches}: all {total} held-out batches of {size}"
     return (
